@@ -1,0 +1,267 @@
+"""Benchmark: every prompt with every method, in one process, against `baseline`.
+
+How the numbers are made (Spec-Bench's conventions): one warm-up run per method is excluded; each
+(prompt, method) pair runs `repeats` times and keeps the median wall time; methods take turns per prompt
+in a rotating order so drift in machine load spreads evenly; tokens/s is total new tokens over total
+time; speedup is a method's tokens/s over `baseline`'s; tau is tokens per verify forward (the
+verifier's own token included). `hf-generate` and `hf-pld` are transformers' own greedy `generate` and
+prompt-lookup decoding on the same model, so the baseline can be checked against them.
+
+If a method's greedy output differs from baseline's, the report names the prompt, the first differing
+position and the baseline's top-1 minus top-2 logit margin there: a margin near zero is a numerical
+near-tie between two batch shapes, a large one is a bug.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specgui import decode, methods
+from specgui.loading import LoadedModel
+from specgui.prompts import PromptRow
+from specgui.sampling import GREEDY, Sampling
+
+NEAR_TIE = 1e-3  # logit margins below this are within float32 noise of two batch shapes
+
+
+def _hf_generate(lm: LoadedModel, ids: list[int], max_new: int, sampling: Sampling, lookup: int | None) -> tuple:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new, do_sample=not sampling.greedy, eos_token_id=sorted(lm.stop_ids) or None,
+        pad_token_id=min(lm.stop_ids) if lm.stop_ids else None,
+        temperature=sampling.temperature if not sampling.greedy else None,
+        top_p=sampling.top_p if not sampling.greedy else None, top_k=sampling.top_k or None,
+        prompt_lookup_num_tokens=lookup,
+    )
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    inputs = torch.tensor([ids], device=lm.runner.device)
+    sync = torch.cuda.synchronize if lm.runner.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        sync()
+        start = time.perf_counter()
+        out = lm.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config)
+        sync()
+        wall = time.perf_counter() - start
+    return out[0, len(ids) :].tolist(), wall
+
+
+REFERENCES: dict[str, Callable] = {
+    "hf-generate": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, None),
+    "hf-pld": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, 10),
+}
+
+
+@dataclass
+class Run:
+    """One (prompt, method) pair: output of the first repeat, wall times of all repeats."""
+
+    prompt_id: str
+    category: str
+    method: str
+    tokens: list[int]
+    walls: list[float] = field(default_factory=list)
+    steps: int = 0
+    emitted_in_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    margins: list[float] = field(default_factory=list)
+    phase_ms: dict[str, float] = field(default_factory=dict)  # summed per phase, first repeat
+    divergence: dict[str, Any] | None = None  # set by `report_json`, against baseline
+    identical: bool = True
+
+    @property
+    def wall(self) -> float:
+        return statistics.median(self.walls)
+
+
+def check_methods(names: Iterable[str]) -> list[str]:
+    """Validate method names; `baseline` is always included and comes first."""
+    chosen = ["baseline"]
+    for name in names:
+        name = name.strip()
+        if not name or name in chosen:
+            continue
+        if name not in REFERENCES:
+            methods.get(name)  # raises with the list of known methods
+        chosen.append(name)
+    return chosen
+
+
+def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max_new: int, sampling: Sampling,
+               params: dict[str, Any] | None) -> Run:
+    """One run of one method on one prompt."""
+    if method in REFERENCES:
+        tokens, wall = REFERENCES[method](lm, ids, max_new, sampling)
+        return Run(row.id, row.category, method, tokens, [wall])
+    result = decode.run(lm, ids, method, max_new_tokens=max_new, sampling=sampling, params=params)
+    s, steps = result.summary, result.steps
+    phase: dict[str, float] = {"draft": s.draft_s * 1000, "verify": s.verify_s * 1000, "overhead": s.overhead_s * 1000}
+    for step in steps:
+        for key, value in step.payload.items():
+            if key.endswith("_ms") and isinstance(value, (int, float)):
+                phase[key] = phase.get(key, 0.0) + value
+                phase[key + "_count"] = phase.get(key + "_count", 0) + 1
+    return Run(row.id, row.category, method, result.token_ids, [s.wall_s], steps=s.steps,
+               emitted_in_steps=sum(len(st.emitted) for st in steps), drafted=s.drafted, accepted=s.accepted,
+               margins=result.margins, phase_ms=phase)
+
+
+def bench(
+    lm: LoadedModel,
+    rows: list[PromptRow],
+    method_names: list[str],
+    *,
+    max_new_tokens: int = 128,
+    repeats: int = 1,
+    sampling: Sampling = GREEDY,
+    params: dict[str, dict[str, Any]] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the suite; return the report (see `report_json` for its shape)."""
+    names = check_methods(method_names)
+    params = params or {}
+    encoded = [row.encode(lm.tokenizer) for row in rows]
+    for name in names:  # warm-up, excluded
+        run_method(lm, rows[0], encoded[0], name, min(16, max_new_tokens), sampling, params.get(name))
+    runs: dict[tuple[str, str], Run] = {}
+    for repeat in range(repeats):
+        for i, (row, ids) in enumerate(zip(rows, encoded)):
+            shift = (i + repeat) % len(names)
+            for name in names[shift:] + names[:shift]:
+                run = run_method(lm, row, ids, name, max_new_tokens, sampling, params.get(name))
+                key = (row.id, name)
+                if key in runs:
+                    runs[key].walls.extend(run.walls)
+                else:
+                    runs[key] = run
+                if progress is not None:
+                    progress(1)
+    return report_json(lm, rows, names, runs, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
+
+
+def _divergence(run: Run, base: Run) -> dict[str, Any] | None:
+    if run.tokens == base.tokens:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(run.tokens, base.tokens)) if a != b), None)
+    if pos is None:
+        pos = min(len(run.tokens), len(base.tokens))
+    margin = base.margins[pos] if pos < len(base.margins) else None
+    return {
+        "position": pos,
+        "baseline_token": base.tokens[pos] if pos < len(base.tokens) else None,
+        "method_token": run.tokens[pos] if pos < len(run.tokens) else None,
+        "baseline_margin": margin,
+        "near_tie": margin is not None and margin < NEAR_TIE,
+    }
+
+
+def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[str, Any]:
+    tokens = sum(len(r.tokens) for r in group)
+    wall = sum(r.wall for r in group)
+    rate = tokens / wall if wall else 0.0
+    steps = sum(r.steps for r in group)
+    drafted = sum(r.drafted for r in group)
+    native = all(r.method not in REFERENCES for r in group)
+    return {
+        "tokens_per_s": rate,
+        "speedup": rate / base_rate if base_rate else 1.0,
+        "mean_accepted": (sum(r.emitted_in_steps for r in group) / steps if steps else None) if native else None,
+        "acceptance_rate": (sum(r.accepted for r in group) / drafted if drafted else None) if native else None,
+        "identical": sum(1 for r in group if r.identical) if greedy else None,
+        "total": len(group),
+        "new_tokens": tokens,
+        "wall_s": wall,
+    }
+
+
+def report_json(lm, rows, names, runs, *, max_new_tokens, repeats, sampling) -> dict[str, Any]:
+    for (prompt_id, _), run in runs.items():
+        run.divergence = _divergence(run, runs[(prompt_id, "baseline")])
+        run.identical = run.divergence is None
+    categories = list(dict.fromkeys(r.category for r in rows))
+    by_method = {n: [runs[(r.id, n)] for r in rows] for n in names}
+    base_rate = _aggregate(by_method["baseline"], None, sampling.greedy)["tokens_per_s"]
+    report: dict[str, Any] = {
+        "model": lm.name, "device": str(lm.runner.device), "max_new_tokens": max_new_tokens, "repeats": repeats,
+        "sampling": sampling.to_dict(), "prompts": len(rows), "methods": {}, "categories": {}, "per_prompt": [],
+        "profile": {},
+    }
+    for name in names:
+        report["methods"][name] = _aggregate(by_method[name], base_rate, sampling.greedy)
+        report["profile"][name] = _profile(by_method[name])
+    for cat in categories:
+        base = _aggregate([r for r in by_method["baseline"] if r.category == cat], None, sampling.greedy)
+        report["categories"][cat] = {
+            name: _aggregate([r for r in by_method[name] if r.category == cat], base["tokens_per_s"], sampling.greedy)
+            for name in names
+        }
+    for row in rows:
+        for name in names:
+            run = runs[(row.id, name)]
+            report["per_prompt"].append({
+                "id": row.id, "category": row.category, "method": name, "new_tokens": len(run.tokens),
+                "wall_s": run.wall, "walls": run.walls, "tokens_per_s": len(run.tokens) / run.wall if run.wall else 0,
+                "mean_accepted": run.emitted_in_steps / run.steps if run.steps else None,
+                "identical": run.identical if sampling.greedy else None, "divergence": run.divergence,
+            })
+    return report
+
+
+def _profile(group: list[Run]) -> dict[str, float]:
+    """Mean ms per verify step of each phase, and the mean of every `*_ms` payload figure per report."""
+    steps = sum(r.steps for r in group)
+    totals: dict[str, float] = {}
+    for r in group:
+        for key, value in r.phase_ms.items():
+            totals[key] = totals.get(key, 0.0) + value
+    out = {}
+    for key, value in totals.items():
+        if key.endswith("_count"):
+            continue
+        if key in ("draft", "verify", "overhead"):
+            out[f"{key}_ms_per_step"] = value / steps if steps else 0.0
+        else:
+            out[f"{key}_mean"] = value / max(1, totals.get(key + "_count", 1))
+    return out
+
+
+def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
+    """Plain-text tables: per method, per category, divergences (and phase profile)."""
+    lines = [f"model {report['model']} on {report['device']}, {report['prompts']} prompts, "
+             f"max {report['max_new_tokens']} new tokens, median of {report['repeats']} repeat(s), "
+             f"temperature {report['sampling']['temperature']}"]
+    header = f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'tau':>6} {'accept':>7} {'identical':>10}"
+
+    def row(name: str, agg: dict[str, Any]) -> str:
+        tau = f"{agg['mean_accepted']:.2f}" if agg["mean_accepted"] is not None else "-"
+        acc = f"{agg['acceptance_rate']:.0%}" if agg["acceptance_rate"] is not None else "-"
+        ident = f"{agg['identical']}/{agg['total']}" if agg["identical"] is not None else "n/a"
+        return f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {tau:>6} {acc:>7} {ident:>10}"
+
+    lines += ["", "overall", header] + [row(n, a) for n, a in report["methods"].items()]
+    for cat, per in report["categories"].items():
+        lines += ["", f"category {cat}", header] + [row(n, a) for n, a in per.items()]
+    diverged = [p for p in report["per_prompt"] if p["divergence"]]
+    if diverged and report["sampling"]["temperature"] == 0:
+        lines += ["", "divergences from baseline (greedy):"]
+        for p in diverged:
+            d = p["divergence"]
+            margin = f"{d['baseline_margin']:.4g}" if d["baseline_margin"] is not None else "?"
+            verdict = "numerical near-tie" if d["near_tie"] else "NOT a near-tie: a bug"
+            lines.append(f"  {p['method']} on {p['id']}: first differs at token {d['position']} "
+                         f"(baseline {d['baseline_token']}, method {d['method_token']}), "
+                         f"baseline top-2 margin {margin} -> {verdict}")
+    if profile:
+        lines += ["", "profile (ms)"]
+        for name, figures in report["profile"].items():
+            text = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            lines.append(f"  {name}: {text or '-'}")
+    return "\n".join(lines)

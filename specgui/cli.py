@@ -1,0 +1,199 @@
+"""Command line: `python -m specgui generate | bench | methods`.
+
+Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
+with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
+reported at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specgui import methods
+from specgui.errors import SpecGUIError
+from specgui.params import specs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line (no usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SpecGUIError(message)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded", help="'embedded' (default), a hub id or a local directory")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
+    p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
+    p.add_argument("--quantization", default=None, help="8bit or 4bit (bitsandbytes)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="method parameter override (bench: METHOD.KEY=VALUE); repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m specgui", description="Self-speculative decoding, step by step.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text with one method")
+    gen.add_argument("--method", default="baseline")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.add_argument("--trace", default=None, metavar="FILE.json", help="write every event as JSON")
+    _model_args(gen)
+    _sampling_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmark methods on a prompt suite")
+    bench.add_argument("--methods", default="baseline,pld")
+    bench.add_argument("--prompts", default="suite", help="JSONL file, or 'suite' for the built-in suite")
+    bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    bench.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--json", default=None, metavar="OUT.json")
+    bench.add_argument("--profile", action="store_true", help="print time per phase and method figures")
+    _model_args(bench)
+    _sampling_args(bench)
+
+    sub.add_parser("methods", help="list methods and their parameters")
+    return parser
+
+
+def _parse_value(text: str) -> Any:
+    value = yaml.safe_load(text)
+    if not isinstance(value, (int, float, str, bool)):
+        raise SpecGUIError(f"parameter value {text!r} must be a number, true/false or a word")
+    return value
+
+
+def _overrides(items: list[str], scoped: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecGUIError(f"--param {item!r}: expected KEY=VALUE")
+        if scoped:
+            method, dot, key = key.partition(".")
+            if not dot:
+                raise SpecGUIError(f"--param {item!r}: bench expects METHOD.KEY=VALUE")
+            methods.get(method)
+            out.setdefault(method, {})[key] = _parse_value(value)
+        else:
+            out[key] = _parse_value(value)
+    return out
+
+
+def _sampling(args: argparse.Namespace):
+    from specgui.sampling import Sampling
+
+    if args.max_new_tokens < 1:
+        raise SpecGUIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def _load(args: argparse.Namespace):
+    from specgui.loading import ModelSpec, load
+
+    return load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                          quantization=args.quantization, trust_remote_code=args.trust_remote_code))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specgui import decode
+    from specgui.events import Summary, save_trace
+    from specgui.text import encode_prompt
+
+    methods.get(args.method)
+    sampling = _sampling(args)
+    overrides = _overrides(args.param, scoped=False)
+    if not args.prompt.strip():
+        raise SpecGUIError("the prompt is empty: pass some text with --prompt")
+    if args.trace:
+        parent = Path(args.trace).resolve().parent
+        if not parent.is_dir():
+            raise SpecGUIError(f"cannot write trace: folder {str(parent)!r} does not exist")
+    lm = _load(args)
+    ids = encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw)
+    events = list(decode.generate(lm, ids, args.method, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                  params=overrides, prompt_text=args.prompt))
+    summary: Summary = events[-1]
+    print(summary.text)
+    print(f"[{args.method}] {summary.new_tokens} tokens in {summary.wall_s:.2f} s = {summary.tokens_per_s:.1f} tok/s, "
+          f"tau {summary.tau:.2f}, acceptance {summary.acceptance_rate:.0%}, {summary.steps} steps, "
+          f"stop: {summary.stop}", file=sys.stderr)
+    if args.trace:
+        save_trace(events, args.trace)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specgui import bench
+    from specgui.prompts import BUILTIN_SUITE, load_prompts
+
+    names = bench.check_methods(args.methods.split(","))
+    sampling = _sampling(args)
+    overrides = _overrides(args.param, scoped=True)
+    if args.repeats < 1:
+        raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.limit is not None and args.limit < 1:
+        raise SpecGUIError(f"--limit must be >= 1, got {args.limit}")
+    rows = load_prompts(BUILTIN_SUITE if args.prompts == "suite" else args.prompts)
+    if args.categories:
+        keep = [c.strip() for c in args.categories.split(",") if c.strip()]
+        unknown = set(keep) - {r.category for r in rows}
+        if unknown:
+            raise SpecGUIError(f"no prompts in categories {', '.join(sorted(unknown))}")
+        rows = [r for r in rows if r.category in keep]
+    if args.limit:
+        seen: dict[str, int] = {}
+        rows = [r for r in rows if (seen.__setitem__(r.category, seen.get(r.category, 0) + 1)
+                                    or seen[r.category] <= args.limit)]
+    if args.json:
+        parent = Path(args.json).resolve().parent
+        if not parent.is_dir():
+            raise SpecGUIError(f"cannot write results: folder {str(parent)!r} does not exist")
+    lm = _load(args)
+    with tqdm(total=len(rows) * len(names) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+        report = bench.bench(lm, rows, names, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                             sampling=sampling, params=overrides, progress=bar.update)
+    print(bench.format_report(report, profile=args.profile))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
+
+
+def cmd_methods(args: argparse.Namespace) -> None:
+    for name in methods.names():
+        cls = methods.get(name)
+        print(f"{name:<10} {cls.summary}")
+        for spec in specs(cls.Params):
+            bounds = f"[{spec['low']}, {spec['high']}]" if spec.get("low") is not None else ""
+            choices = "{" + ", ".join(map(str, spec["choices"])) + "}" if spec.get("choices") else ""
+            print(f"    {spec['name']:<18} {bounds or choices:<14} {spec['help']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods}[args.command](args)
+    except SpecGUIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,245 @@
+"""The decode loop: one loop for every method, yielding events.
+
+    prefill: the prompt forward gives the first token (the pending token; its keys are not cached)
+    repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
+             2. verify   one target forward over [pending] + tree (+ extras)
+             3. accept   the verifier keeps a path and adds its own token
+             4. crop     the cache keeps the pending token and the accepted path only
+             5. observe  the method learns from the verdict; a Step event goes out
+
+Timing covers only the time spent inside this generator: whatever a consumer does between events
+(rendering, printing) never counts against a method. On CUDA every phase boundary synchronises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specgui import kvcache, methods
+from specgui.draft import Draft, Outcome
+from specgui.errors import SpecGUIError
+from specgui.events import Event, Prefill, Start, Step, Summary, summarize
+from specgui.loading import LoadedModel
+from specgui.methods.base import DecodeState
+from specgui.sampling import GREEDY, Sampling, pick
+from specgui.text import Detokenizer, piece_in_context
+from specgui.verify import verify
+
+
+@dataclass
+class Result:
+    """A finished run, collected from its events."""
+
+    events: list[Event]
+
+    @property
+    def summary(self) -> Summary:
+        return self.events[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.summary.token_ids)
+
+    @property
+    def steps(self) -> list[Step]:
+        return [e for e in self.events if isinstance(e, Step)]
+
+    @property
+    def margins(self) -> list[float]:
+        """Target top-1 minus top-2 logit for every generated token, in order."""
+        prefill = next(e for e in self.events if isinstance(e, Prefill))
+        return [prefill.margin] + [m for s in self.steps for m in s.margins]
+
+
+class _Clock:
+    """Accumulates time spent inside the generator; `lap()` returns ms since the last lap."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.total = 0.0
+        self.last = self._now()
+
+    def _now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        elapsed, self.last = now - self.last, now
+        self.total += elapsed
+        return elapsed * 1000
+
+    def pause(self) -> None:
+        """Stop counting until `resume` (the gap is the consumer's time, not the method's)."""
+        self.lap()
+
+    def resume(self) -> None:
+        self.last = self._now()
+
+
+def generate(
+    lm: LoadedModel,
+    prompt_ids: list[int],
+    method: str = "baseline",
+    *,
+    max_new_tokens: int = 128,
+    sampling: Sampling = GREEDY,
+    params: dict[str, Any] | None = None,
+    prompt_text: str = "",
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[Event]:
+    """Decode with `method`, yielding Start, Prefill, one Step per cycle, then Summary."""
+    _check_request(lm, prompt_ids, max_new_tokens)
+    runner = lm.runner
+    drafter = methods.create(method, runner, lm.name, sampling, params)
+    generator = None if sampling.greedy else sampling.generator(runner.head_device)
+    state = DecodeState(runner, kvcache.KVCache(), list(prompt_ids), len(prompt_ids), sampling, generator,
+                        max_new_tokens)
+    detok = Detokenizer(lm.tokenizer, prompt_ids)
+    yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
+                params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
+                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text)
+
+    with torch.inference_mode():
+        clock = _Clock(runner.device)
+        # prefill: the prompt forward yields the first new token
+        n = len(prompt_ids)
+        logits = runner.forward(torch.tensor(prompt_ids), torch.arange(n), state.cache,
+                                observer=drafter.begin(state), logits_rows=slice(n - 1, n))
+        first = pick(logits[0], sampling, generator)
+        state.tokens.append(first)
+        prefill_ms = clock.lap()
+        payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_logits=None))
+        overhead_ms = clock.lap()
+        clock.pause()  # building events (detokenizing) is presentation, not decoding
+        prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=_margins(logits)[0],
+                          ms=prefill_ms, overhead_ms=overhead_ms, payload=payload)
+        yield prefill
+        clock.resume()
+
+        steps: list[Step] = []
+        stop = _stop_reason(lm, state, [first])
+        while stop is None:
+            if should_stop is not None and should_stop():
+                stop = "cancelled"
+                break
+            context = state.tokens[-4:]
+            # 1. draft
+            draft = drafter.draft(state)
+            draft_ms = clock.lap()
+            # 2. verify: one target forward over the pending token, the tree and any extras
+            logits, extra_logits = _verify_forward(state, draft)
+            verdict = verify(logits, draft, sampling, generator)
+            # 3. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
+            emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
+            emitted, stop = _cut(lm, state, emitted)
+            # 4. crop: keep the pending token and the accepted nodes' keys, drop the rest
+            state.cache.keep(state.committed, [0] + [i + 1 for i in verdict.path])
+            state.tokens.extend(emitted)
+            verify_ms = clock.lap()
+            # 5. observe
+            outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_logits=extra_logits)
+            payload = {**draft.info, **drafter.observe(state, outcome)}
+            state.step += 1
+            overhead_ms = clock.lap()
+            clock.pause()
+            step = Step(
+                index=state.step, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
+                draft_pieces=tuple(_draft_pieces(lm, context, draft)), path=tuple(verdict.path),
+                token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
+                emitted_pieces=tuple(detok.push(t) for t in emitted),
+                margins=tuple(_margins(logits[[0] + [i + 1 for i in verdict.path]]))[: len(emitted)],
+                forward_tokens=1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0),
+                draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms, payload=payload,
+            )
+            steps.append(step)
+            yield step
+            clock.resume()
+
+        clock.lap()
+        generated = tuple(state.tokens[state.prompt_len :])
+        text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)
+        yield summarize(steps, prefill, wall_s=clock.total, stop=stop, token_ids=generated, text=text)
+
+
+def run(lm: LoadedModel, prompt_ids: list[int], method: str = "baseline", **kwargs: Any) -> Result:
+    """`generate` to the end, collecting the events."""
+    return Result(list(generate(lm, prompt_ids, method, **kwargs)))
+
+
+def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [1 + N, V] for the pending token and the tree nodes, and [E, V] for the extras if wanted."""
+    c = state.committed
+    tokens = [state.pending, *draft.tokens]
+    positions = [c] + [c + d for d in draft.depths()]
+    extras = draft.extras
+    visibility = None if draft.is_chain else draft.visibility()
+    if extras is not None:
+        t = len(tokens) + len(extras.tokens)
+        full = torch.zeros(t, t, dtype=torch.bool)
+        full[: len(tokens), : len(tokens)] = draft.visibility() if visibility is None else visibility
+        full[len(tokens) :] = extras.visibility
+        visibility = full
+        tokens += extras.tokens
+        positions += extras.positions
+    rows = slice(None) if extras is not None and extras.want_logits else slice(0, 1 + len(draft))
+    logits = state.runner.forward(
+        torch.tensor(tokens), torch.tensor(positions), state.cache, visibility=visibility, logits_rows=rows,
+        observer=draft.observer, pre_layer=extras.pre_layer if extras else None,
+    )
+    n = 1 + len(draft)
+    return logits[:n], (logits[n:] if extras is not None and extras.want_logits else None)
+
+
+def _cut(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> tuple[list[int], str | None]:
+    """Trim a step's tokens at the first stop token or at the token budget."""
+    for i, token in enumerate(emitted):
+        if token in lm.stop_ids:
+            return emitted[: i + 1], "eos"
+    room = state.max_new_tokens - state.generated
+    if len(emitted) >= room:
+        return emitted[:room], "length"
+    return emitted, None
+
+
+def _stop_reason(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> str | None:
+    if emitted[-1] in lm.stop_ids:
+        return "eos"
+    return "length" if state.generated >= state.max_new_tokens else None
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    top = logits.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def _draft_pieces(lm: LoadedModel, context: list[int], draft: Draft) -> list[str]:
+    """Each draft token's text, read after its own ancestors."""
+    pieces = []
+    for i, token in enumerate(draft.tokens):
+        ancestors = [draft.tokens[a] for a in draft.path_to(i)[:-1]]
+        pieces.append(piece_in_context(lm.tokenizer, context + ancestors, token))
+    return pieces
+
+
+def _params_dict(params: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(params) if dataclasses.is_dataclass(params) else {}
+
+
+def _check_request(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise SpecGUIError("the prompt is empty")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpecGUIError(f"max new tokens must be a positive integer, got {max_new_tokens!r}")
+    if len(prompt_ids) + max_new_tokens > lm.max_context:
+        raise SpecGUIError(
+            f"prompt ({len(prompt_ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {lm.max_context} tokens: shorten the prompt or ask for fewer tokens"
+        )

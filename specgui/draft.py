@@ -1,0 +1,117 @@
+"""What a drafter hands to the verifier: a token tree, optional ride-along tokens, and why.
+
+Every method's proposal is a tree rooted at the pending token (the last committed token, whose keys are
+not cached yet). A chain (layer-skip drafts, prompt lookup) is the tree whose node i has parent i - 1;
+Self-Draft's n-gram candidates are a trie. The verify forward feeds `[pending] + tree nodes + extras`,
+so one forward checks the whole tree and also carries work the drafter wants done for the *next* draft
+(Self-Draft's branches, Fractal's draft slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specgui.runner import Observer, PreLayer
+
+
+@dataclass
+class Extras:
+    """Tokens that ride along in the verify forward without being verified.
+
+    `visibility` [E, 1 + N + E] says what each extra token attends to among the block
+    `[pending, nodes..., extras...]` (besides the cached prefix, which every token sees). Their keys and
+    values are dropped after the forward; their logits come back in `Outcome.extra_logits`.
+    """
+
+    tokens: list[int]
+    positions: list[int]
+    visibility: torch.Tensor
+    pre_layer: PreLayer | None = None
+    want_logits: bool = True
+
+
+@dataclass
+class Draft:
+    """A proposal: tree nodes in topological order (parent index < node index, -1 = the pending token).
+
+    `probs` [N, V] holds the draft distribution of each node when it was sampled from a model; without
+    it a node is treated as one-hot, which keeps speculative sampling lossless for n-gram drafts.
+    Children of a node are tried in node order, so put the drafter's favourite first.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] | None = None
+    probs: torch.Tensor | None = None
+    extras: Extras | None = None
+    observer: Observer | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.parents is None:
+            self.parents = list(range(-1, len(self.tokens) - 1))
+        if len(self.parents) != len(self.tokens) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError("draft parents must point to an earlier node or -1")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def depths(self) -> list[int]:
+        """Depth of each node below the pending token (a root child has depth 1)."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+    def children(self) -> dict[int, list[int]]:
+        """Node -> children in preference order; key -1 is the pending token."""
+        kids: dict[int, list[int]] = {-1: []}
+        for i, p in enumerate(self.parents):
+            kids.setdefault(p, []).append(i)
+            kids.setdefault(i, [])
+        return kids
+
+    def visibility(self) -> torch.Tensor:
+        """[1 + N, 1 + N] tree attention: each token sees the pending token, its ancestors and itself."""
+        n = len(self.tokens)
+        visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        visible[:, 0] = True
+        for i, p in enumerate(self.parents):
+            row = i + 1
+            if p >= 0:
+                visible[row] = visible[p + 1]
+            visible[row, row] = True
+        return visible
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root down to `node`, inclusive."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+@dataclass
+class Outcome:
+    """What the verifier decided, as the drafter sees it in `observe`."""
+
+    path: list[int]  # accepted draft nodes, root to leaf
+    token: int  # the verifier's own token (bonus after a full path, else the correction)
+    emitted: list[int]  # tokens committed this step (accepted path + own token, cut at a stop)
+    extra_logits: torch.Tensor | None  # [E, V] logits of the extras, when asked for
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def last_row(self) -> int:
+        """Row in the verify block of the last accepted token (node i is row i + 1, the pending token 0)."""
+        return self.path[-1] + 1 if self.path else 0

@@ -1,0 +1,253 @@
+"""Events: the only thing the decoding core tells the world.
+
+`decode.generate` yields `Start`, one `Prefill`, one `Step` per draft -> verify cycle, and a final
+`Summary`. Front ends (CLI, bench, app) build everything they show from these; a trace is the list of
+events as JSON and loads back into the same dataclasses, so a recorded run replays without a model.
+Token text is included (`*_pieces`) for that reason: a replay has no tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from specgui.errors import SpecGUIError
+
+TRACE_FORMAT = "specgui-trace"
+TRACE_VERSION = 1
+MAX_TRACE_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Start:
+    """The run's header: what ran, on what, with which settings."""
+
+    kind: ClassVar[str] = "start"
+    method: str
+    model: str
+    device: str
+    num_layers: int
+    params: dict[str, Any]
+    sampling: dict[str, Any]
+    max_new_tokens: int
+    prompt_ids: tuple[int, ...]
+    prompt_text: str
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The prompt forward, which also yields the first new token."""
+
+    kind: ClassVar[str] = "prefill"
+    prompt_tokens: int
+    token: int
+    piece: str
+    margin: float
+    ms: float
+    overhead_ms: float
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One draft -> verify cycle.
+
+    The draft is a tree: `draft_parents[i]` is the parent node of node i (-1: the pending token), a
+    chain when every node's parent is the one before. `path` lists the accepted nodes; `token` is the
+    verifier's own token, a correction when `corrected` (a draft token was rejected there), else a
+    bonus. `emitted` is what this step appended to the output, `margins` the target's top-1 minus
+    top-2 logit for each emitted token (small margins flag numerical near-ties).
+    """
+
+    kind: ClassVar[str] = "step"
+    index: int
+    draft_tokens: tuple[int, ...]
+    draft_parents: tuple[int, ...]
+    draft_pieces: tuple[str, ...]
+    path: tuple[int, ...]
+    token: int
+    corrected: bool
+    emitted: tuple[int, ...]
+    emitted_pieces: tuple[str, ...]
+    margins: tuple[float, ...]
+    forward_tokens: int
+    draft_ms: float
+    verify_ms: float
+    overhead_ms: float
+    payload: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def drafted(self) -> int:
+        return len(self.draft_tokens)
+
+    @property
+    def proposal(self) -> tuple[int, ...]:
+        """The draft line shown to a reader: the accepted path, then the drafter's first choice onward."""
+        line = list(self.path)
+        node = line[-1] if line else -1
+        while True:
+            child = next((i for i, p in enumerate(self.draft_parents) if p == node), None)
+            if child is None:
+                return tuple(line)
+            line.append(child)
+            node = child
+
+    @property
+    def rejected(self) -> tuple[int, ...]:
+        """Nodes of `proposal` after the accepted ones (first rejected first)."""
+        return self.proposal[self.accepted :]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Totals of a finished (or stopped) run."""
+
+    kind: ClassVar[str] = "summary"
+    new_tokens: int
+    steps: int
+    wall_s: float
+    tokens_per_s: float
+    tau: float  # tokens per verify forward, verifier's own token included (plain decoding: 1.0)
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    histogram: tuple[int, ...]  # histogram[k] = steps that accepted k draft tokens
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    stop: str  # "eos", "length" or "cancelled"
+    token_ids: tuple[int, ...]
+    text: str
+
+
+Event = Start | Prefill | Step | Summary
+EVENT_TYPES: dict[str, type] = {cls.kind: cls for cls in (Start, Prefill, Step, Summary)}
+
+
+def summarize(
+    steps: list[Step],
+    prefill: Prefill,
+    *,
+    wall_s: float,
+    stop: str,
+    token_ids: tuple[int, ...],
+    text: str,
+) -> Summary:
+    """Fold a run's events into its totals (also used to rebuild a summary from a partial trace)."""
+    drafted = sum(s.drafted for s in steps)
+    accepted = sum(s.accepted for s in steps)
+    emitted_in_steps = sum(len(s.emitted) for s in steps)
+    counts = Counter(s.accepted for s in steps)
+    histogram = tuple(counts.get(k, 0) for k in range(max(counts, default=-1) + 1))
+    new_tokens = len(token_ids)
+    return Summary(
+        new_tokens=new_tokens,
+        steps=len(steps),
+        wall_s=wall_s,
+        tokens_per_s=new_tokens / wall_s if wall_s > 0 else 0.0,
+        tau=emitted_in_steps / len(steps) if steps else 1.0,
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        histogram=histogram,
+        prefill_s=prefill.ms / 1000,
+        draft_s=sum(s.draft_ms for s in steps) / 1000,
+        verify_s=sum(s.verify_ms for s in steps) / 1000,
+        overhead_s=(prefill.overhead_ms + sum(s.overhead_ms for s in steps)) / 1000,
+        stop=stop,
+        token_ids=token_ids,
+        text=text,
+    )
+
+
+# -- JSON -------------------------------------------------------------------------------------------------
+
+
+def to_json(event: Event) -> dict[str, Any]:
+    """An event as a JSON-ready dict with a "type" tag."""
+    return {"type": event.kind, **dataclasses.asdict(event)}
+
+
+def from_json(data: Any) -> Event:
+    """Rebuild an event from `to_json` output, checking every field's type (traces are untrusted input)."""
+    if not isinstance(data, dict) or data.get("type") not in EVENT_TYPES:
+        raise SpecGUIError(f"not a SpecGUI event: {str(data)[:80]!r}")
+    cls = EVENT_TYPES[data["type"]]
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default_factory is not dataclasses.MISSING:
+                continue
+            raise SpecGUIError(f"{data['type']} event is missing field {f.name!r}")
+        values[f.name] = _coerce(data[f.name], hints[f.name], f"{data['type']}.{f.name}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        if isinstance(value, list):
+            return tuple(_coerce(v, args[0], where) for v in value)
+    elif origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return value
+    raise SpecGUIError(f"trace field {where} has the wrong type ({type(value).__name__})")
+
+
+def dumps_trace(events: list[Event]) -> str:
+    return json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION, "events": [to_json(e) for e in events]})
+
+
+def loads_trace(text: str | bytes) -> list[Event]:
+    """Parse a trace, refusing anything too large, malformed, or out of order."""
+    if len(text) > MAX_TRACE_BYTES:
+        raise SpecGUIError(f"trace is larger than {MAX_TRACE_BYTES // 2**20} MiB")
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SpecGUIError(f"trace is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT or not isinstance(data.get("events"), list):
+        raise SpecGUIError("not a SpecGUI trace (expected an object with format 'specgui-trace' and events)")
+    if data.get("version") != TRACE_VERSION:
+        raise SpecGUIError(f"unsupported trace version {data.get('version')!r} (this build reads {TRACE_VERSION})")
+    events = [from_json(e) for e in data["events"]]
+    if not events or not isinstance(events[0], Start) or sum(isinstance(e, Start) for e in events) != 1:
+        raise SpecGUIError("trace must begin with exactly one start event")
+    return events
+
+
+def save_trace(events: list[Event], path: str | Path) -> None:
+    Path(path).write_text(dumps_trace(events), encoding="utf-8")
+
+
+def load_trace(path: str | Path) -> list[Event]:
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise SpecGUIError(f"cannot read trace {str(path)!r}: {exc.strerror}") from None
+    if size > MAX_TRACE_BYTES:
+        raise SpecGUIError(f"trace is larger than {MAX_TRACE_BYTES // 2**20} MiB")
+    return loads_trace(path.read_bytes())

@@ -1,0 +1,102 @@
+"""The KV cache: preallocated per-layer buffers with a length per layer.
+
+Speculative methods leave caches ragged: a draft that skipped the attention of layer 5 wrote no key for
+layer 5, a tree verify forward wrote keys for branches that lost. transformers' `DynamicCache.crop(n)`
+removes the same *count* from every layer, which is wrong for ragged caches, and its `update`
+re-concatenates the whole cache on every token. Here each layer has a buffer and a length: `crop`
+sets lengths (absolute), `keep` compacts the accepted positions, `update` writes in place. The
+attention modules only ever call `update(k, v, layer_idx)` and `get_seq_length(layer_idx)`.
+`FrozenView` lets a pass read the cache without growing it (CLaSp's batched DP, Fractal's
+compressed sub-passes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_CAPACITY = 256
+
+
+class KVCache:
+    """Keys and values [1, heads, capacity, head_dim] per layer, valid up to `lengths[layer]`."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        self.lengths: list[int] = []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx] if layer_idx < len(self.lengths) else 0
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append new keys/values [1, heads, T, dim] to one layer; return that layer's valid prefix."""
+        while len(self.lengths) <= layer_idx:
+            self.keys.append(None)
+            self.values.append(None)
+            self.lengths.append(0)
+        start = self.lengths[layer_idx]
+        end = start + keys.shape[-2]
+        buf = self.keys[layer_idx]
+        if buf is None or end > buf.shape[-2]:
+            self._grow(layer_idx, end, keys, values)
+        self.keys[layer_idx][..., start:end, :] = keys
+        self.values[layer_idx][..., start:end, :] = values
+        self.lengths[layer_idx] = end
+        return self.keys[layer_idx][..., :end, :], self.values[layer_idx][..., :end, :]
+
+    def _grow(self, layer: int, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        capacity = max(MIN_CAPACITY, needed, 2 * (old_k.shape[-2] if old_k is not None else 0))
+        new_k = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]))
+        new_v = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]))
+        n = self.lengths[layer]
+        if old_k is not None and n:
+            new_k[..., :n, :] = old_k[..., :n, :]
+            new_v[..., :n, :] = old_v[..., :n, :]
+        self.keys[layer], self.values[layer] = new_k, new_v
+
+    def crop(self, length: int) -> None:
+        """Cut every layer to at most `length` positions (an absolute length, unlike `DynamicCache.crop`)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep positions `[0, start)` plus `start + o` for each offset, compacted in that order.
+
+        After a forward that carried candidates or branches, only the accepted tokens' keys and values
+        stay, so that position `start + i` holds the i-th kept token in every layer.
+        """
+        if offsets == list(range(len(offsets))):
+            self.crop(start + len(offsets))
+            return
+        for layer, buf in enumerate(self.keys):
+            if buf is None:
+                continue
+            index = torch.tensor([start + o for o in offsets], device=buf.device)
+            end = start + len(offsets)
+            buf[..., start:end, :] = buf.index_select(-2, index)
+            self.values[layer][..., start:end, :] = self.values[layer].index_select(-2, index)
+            self.lengths[layer] = end
+
+
+class FrozenView:
+    """A read-only window on the first `length` positions of a cache.
+
+    `update` returns the cached prefix followed by the new keys/values and stores nothing, so a pass
+    can attend to the context without leaving a trace in the cache.
+    """
+
+    def __init__(self, cache: KVCache, length: int) -> None:
+        self.cache = cache
+        self.length = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return min(self.length, self.cache.get_seq_length(layer_idx))
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        n = self.get_seq_length(layer_idx)
+        if n == 0:
+            return keys, values
+        return (
+            torch.cat([self.cache.keys[layer_idx][..., :n, :], keys], dim=-2),
+            torch.cat([self.cache.values[layer_idx][..., :n, :], values], dim=-2),
+        )

@@ -1,0 +1,218 @@
+"""The layer runner: SpecGUI's own decoder loop over the model's modules.
+
+`model.forward` hides what self-speculative methods need, so the runner drives the modules directly:
+embedding -> rotary tables -> for each layer its attention and MLP *sub-layers* -> final norm -> LM head.
+That lets a caller
+  * skip any attention or MLP sub-layer (`SkipPlan`; a whole layer is both halves),
+  * pass its own visibility matrix among the new tokens (branches and candidates in one forward),
+  * watch the hidden state after every sub-layer (`observer`),
+  * rewrite hidden states before a layer (`pre_layer`, how Fractal splices compressed passes in),
+  * compute logits only for the rows it needs (the LM head is a large share of a small model).
+
+With nothing skipped and the default causal visibility the result equals `model.forward`; a test holds
+it to that. Layers may live on different devices (accelerate's `device_map`): hidden states, rotary
+tables and masks follow each layer to its execution device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specgui.errors import SpecGUIError
+
+ATTN, MLP = 0, 1
+KIND_NAMES = ("attn", "mlp")
+
+# observer(k, h): k = 0 is the embedding output, k = 2 * layer + kind + 1 the state after that sub-layer.
+Observer = Callable[[int, torch.Tensor], None]
+# pre_layer(layer, h, pass) -> h: may rewrite the hidden states [1, T, H] entering `layer`.
+PreLayer = Callable[[int, torch.Tensor, "Pass"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SkipPlan:
+    """Which sub-layers a draft pass leaves out: attention and MLP, by layer index."""
+
+    attn: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    @classmethod
+    def whole_layers(cls, layers) -> SkipPlan:
+        layers = frozenset(layers)
+        return cls(attn=layers, mlp=layers)
+
+    def skips(self, layer: int, kind: int) -> bool:
+        return layer in (self.attn if kind == ATTN else self.mlp)
+
+    def __len__(self) -> int:
+        return len(self.attn) + len(self.mlp)
+
+    def to_dict(self) -> dict:
+        return {"attn": sorted(self.attn), "mlp": sorted(self.mlp)}
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where a module computes: accelerate's hook device if dispatched, else its first real parameter."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for sub in module.modules():
+        hook = getattr(sub, "_hf_hook", None)
+        if hook is not None and getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+        for param in sub.parameters(recurse=False):
+            if param.device.type != "meta":
+                return param.device
+    return torch.device("cpu")
+
+
+SUBLAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+class Runner:
+    """Owns the decoder loop of one Llama-family causal LM (Llama, Mistral, Qwen2/3, SmolLM)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        decoder = getattr(model, "model", None)
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if decoder is None or not all(hasattr(decoder, p) for p in parts) or not hasattr(model, "lm_head"):
+            raise SpecGUIError(
+                f"unsupported architecture {type(model).__name__}: SpecGUI needs a Llama-family decoder "
+                "(model.model.embed_tokens/layers/norm/rotary_emb and lm_head)"
+            )
+        layer0 = decoder.layers[0]
+        if not all(hasattr(layer0, p) for p in SUBLAYER_PARTS):
+            raise SpecGUIError(
+                f"unsupported decoder layer {type(layer0).__name__}: SpecGUI needs pre-norm layers with "
+                "input_layernorm, self_attn, post_attention_layernorm and mlp"
+            )
+        impl = getattr(model.config, "_attn_implementation", "sdpa")
+        if impl not in ("sdpa", "eager"):
+            raise SpecGUIError(f"attention implementation {impl!r} cannot take tree masks; load with sdpa or eager")
+        self.model = model
+        self.config = model.config
+        self.embed = decoder.embed_tokens
+        self.layers = decoder.layers
+        self.norm = decoder.norm
+        self.rotary = decoder.rotary_emb
+        self.lm_head = model.lm_head
+        self.num_layers = len(self.layers)
+        self.num_units = 2 * self.num_layers
+        self.bool_masks = impl == "sdpa"
+        self.dtype = next(model.parameters()).dtype
+        self.embed_device = execution_device(self.embed)
+        self.head_device = execution_device(self.lm_head)
+        self.layer_devices = [execution_device(layer) for layer in self.layers]
+        self.device = self.embed_device
+
+    # -- public API -------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        *,
+        visibility: torch.Tensor | None = None,
+        skip: SkipPlan | None = None,
+        logits_rows: torch.Tensor | slice | None = None,
+        observer: Observer | None = None,
+        pre_layer: PreLayer | None = None,
+    ) -> torch.Tensor:
+        """Run new `tokens` [T] at absolute `positions` [T] over `cache`; return float logits [R, V].
+
+        `visibility` [T, T] (bool, row attends to column) says which new tokens see each other; every
+        new token sees the whole cached prefix. None means causal. `logits_rows` picks the rows whose
+        logits are computed (None: all). Keys and values of every executed attention are appended to
+        `cache` (pass a `FrozenView` to leave it untouched).
+        """
+        step = Pass(self, positions, cache, visibility)
+        h = self.embed(tokens.to(self.embed_device).view(1, -1))
+        if observer is not None:
+            observer(0, h)
+        for layer in range(self.num_layers):
+            if pre_layer is not None:
+                h = pre_layer(layer, h, step)
+            for kind in (ATTN, MLP):
+                if skip is not None and skip.skips(layer, kind):
+                    continue
+                h = step.run_unit(h, layer, kind)
+                if observer is not None:
+                    observer(2 * layer + kind + 1, h)
+        return self.logits(h, logits_rows)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """Final norm + LM head over the chosen rows of hidden states [1, T, H] -> float32 [R, V]."""
+        h = hidden[0] if rows is None else hidden[0, rows]
+        h = self.norm(h.to(execution_device(self.norm)))
+        return self.lm_head(h.to(self.head_device)).float()
+
+
+class Pass:
+    """What every sub-layer of one forward shares: positions, rotary tables per device, masks, cache."""
+
+    def __init__(self, runner: Runner, positions: torch.Tensor, cache, visibility: torch.Tensor | None) -> None:
+        self.runner = runner
+        self.positions = positions.to(runner.embed_device).view(1, -1)
+        self.cache = cache
+        self.visibility = visibility
+        self.length = self.positions.shape[1]
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks: dict[tuple[int, torch.device], torch.Tensor | None] = {}
+
+    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._rope:
+            if not self._rope:
+                probe = torch.empty(0, dtype=self.runner.dtype, device=self.runner.embed_device)
+                self._rope[self.runner.embed_device] = self.runner.rotary(probe, self.positions)
+            cos, sin = next(iter(self._rope.values()))
+            self._rope[device] = (cos.to(device), sin.to(device))
+        return self._rope[device]
+
+    def mask(self, layer: int, device: torch.device) -> torch.Tensor | None:
+        """[1, 1, T, past + T] attention mask for one layer, sized by that layer's own cache length."""
+        past = self.cache.get_seq_length(layer) if self.cache is not None else 0
+        key = (past, device)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(past, device)
+        return self._masks[key]
+
+    def _build_mask(self, past: int, device: torch.device) -> torch.Tensor | None:
+        t = self.length
+        if self.visibility is None:
+            if t == 1:
+                return None  # one new token sees everything: no mask needed
+            visible = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        else:
+            visible = self.visibility.to(device=device, dtype=torch.bool)
+        allowed = torch.cat([torch.ones(t, past, dtype=torch.bool, device=device), visible], dim=1)
+        allowed = allowed.view(1, 1, t, past + t)
+        if self.runner.bool_masks:
+            return allowed
+        zero = torch.zeros((), dtype=self.runner.dtype, device=device)
+        return torch.where(allowed, zero, torch.finfo(self.runner.dtype).min)
+
+    def run_unit(self, h: torch.Tensor, layer: int, kind: int, module: nn.Module | None = None) -> torch.Tensor:
+        """One residual sub-layer: h + attn(norm(h)) or h + mlp(norm(h)).
+
+        `module` substitutes another decoder layer of the same shape (a compressed copy) for
+        `runner.layers[layer]`; it still reads and writes this pass's cache at index `layer`.
+        """
+        block = module if module is not None else self.runner.layers[layer]
+        device = self.runner.layer_devices[layer]
+        if h.device != device:
+            h = h.to(device)
+        if kind == MLP:
+            return h + block.mlp(block.post_attention_layernorm(h))
+        out = block.self_attn(
+            hidden_states=block.input_layernorm(h),
+            position_embeddings=self.rope(device),
+            attention_mask=self.mask(layer, device),
+            position_ids=self.positions.to(device),
+            past_key_values=self.cache,
+        )[0]
+        return h + out

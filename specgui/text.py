@@ -1,0 +1,74 @@
+"""Tokens <-> text: prompt encoding (chat template or raw) and streaming detokenization.
+
+Pieces are computed incrementally with a small look-back window, the way streaming servers do it: a
+token that ends inside a multi-byte character yields "" and the next one carries the whole character,
+so the pieces of a run concatenate to its decoded text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specgui.errors import SpecGUIError
+
+Messages = list[dict[str, str]]
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Messages, *, chat: bool = True) -> list[int]:
+    """Token ids for a prompt: messages (or a plain string, with `chat`) go through the chat template."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise SpecGUIError("the prompt is empty: type some text")
+        if not chat or not getattr(tokenizer, "chat_template", None):
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        prompt = [{"role": "user", "content": prompt}]
+    check_messages(prompt)
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def check_messages(messages: Any) -> None:
+    """Refuse anything that is not a non-empty list of {role, content} dicts ending with a user turn."""
+    if not isinstance(messages, list) or not messages:
+        raise SpecGUIError("messages must be a non-empty list of {role, content} objects")
+    for m in messages:
+        if not isinstance(m, dict) or set(m) != {"role", "content"} or not isinstance(m["content"], str):
+            raise SpecGUIError(f"bad message {str(m)[:60]!r}: expected {{'role': ..., 'content': '...'}}")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise SpecGUIError(f"bad message role {m['role']!r}: use system, user or assistant")
+    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        raise SpecGUIError("the conversation must end with a non-empty user message")
+
+
+class Detokenizer:
+    """Turns a stream of token ids into text pieces that concatenate to the decoded text."""
+
+    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(context[-4:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def piece_in_context(tokenizer: Any, context: Sequence[int], token: int) -> str:
+    """Text of one draft token as it would read after `context` (for showing drafts, accepted or not)."""
+    ctx = list(context[-3:])
+    kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+    head = tokenizer.decode(ctx, **kw)
+    full = tokenizer.decode([*ctx, int(token)], **kw)
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode([int(token)], **kw)

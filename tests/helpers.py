@@ -1,0 +1,151 @@
+"""Shared test helpers: tiny in-process models, and the losslessness checks every method must pass.
+
+`assert_greedy_identical` and `assert_sampling_lossless` are what "lossless" means in this project;
+each method's tests call them with the method's name (and parameters that make it draft a lot).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+from scipy import stats
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from specgui import decode
+from specgui.loading import LoadedModel, ModelSpec
+from specgui.runner import Runner
+from specgui.sampling import Sampling
+
+
+class CharTokenizer:
+    """Token i is the letter chr(97 + i % 26): enough tokenizer for models built in-process."""
+
+    chat_template = None
+
+    def __init__(self, vocab: int, eos: int | None = None) -> None:
+        self.vocab = vocab
+        self.eos_token_id = eos
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [(ord(c) - 97) % self.vocab for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
+        return "".join(chr(97 + int(i) % 26) for i in ids if not (skip_special_tokens and i == self.eos_token_id))
+
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int = 0, arch: str = "llama",
+               init: float = 0.08, eos: int | None = None, attn: str = "sdpa") -> LoadedModel:
+    """A random Llama-family model small enough to run thousands of steps in a test.
+
+    `init` scales the random weights: larger values make the next-token distribution peakier, which
+    keeps greedy decisions away from numerical ties.
+    """
+    torch.manual_seed(seed)
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                        max_position_embeddings=1024, initializer_range=init, tie_word_embeddings=False,
+                        eos_token_id=eos, bos_token_id=None, pad_token_id=None)
+    model = model_cls(config).eval()
+    model.set_attn_implementation(attn)
+    runner = Runner(model)
+    return LoadedModel(spec=ModelSpec(name=f"tiny-{arch}"), name=f"tiny-{arch}", model=model,
+                       tokenizer=CharTokenizer(vocab, eos), runner=runner,
+                       stop_ids=frozenset() if eos is None else frozenset({eos}), max_context=1024, load_s=0.0,
+                       source="in-process")
+
+
+def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int]], max_new_tokens: int,
+                            params: dict[str, Any] | None = None, min_accepted: int = 1) -> list:
+    """`method` must reproduce baseline's greedy tokens exactly, and must actually have drafted."""
+    accepted = 0
+    results = []
+    for ids in prompts:
+        base = decode.run(lm, ids, "baseline", max_new_tokens=max_new_tokens)
+        got = decode.run(lm, ids, method, max_new_tokens=max_new_tokens, params=params)
+        if got.token_ids != base.token_ids:
+            pos = next(i for i, (a, b) in enumerate(zip([*got.token_ids, -1], [*base.token_ids, -1])) if a != b)
+            raise AssertionError(f"{method} diverged from baseline at token {pos} "
+                                 f"(baseline margin {base.margins[pos]:.3g}) on prompt {ids[:8]}...")
+        accepted += got.summary.accepted
+        results.append(got)
+    assert accepted >= min_accepted, f"{method} accepted only {accepted} draft tokens: the test proves nothing"
+    return results
+
+
+def exact_pair_distribution(lm: LoadedModel, prompt: list[int], sampling: Sampling) -> torch.Tensor:
+    """P(t2, t3) [V, V] of the 2nd and 3rd sampled tokens under the target alone, by enumeration."""
+    from specgui.sampling import probabilities
+
+    vocab = lm.model.config.vocab_size
+    with torch.no_grad():
+        base = torch.tensor(prompt)
+        p1 = probabilities(lm.model(base[None]).logits[0, -1], sampling)  # [V]
+        seqs = torch.tensor(list(itertools.product(range(vocab), repeat=2)))  # [(t1, t2)]
+        batch = torch.cat([base.expand(len(seqs), -1), seqs], dim=1)
+        logits = lm.model(batch).logits  # [V*V, T, V]
+        p2 = probabilities(logits[:, -2], sampling)[:: vocab]  # P(t2 | t1): one row per t1
+        p3 = probabilities(logits[:, -1], sampling).view(vocab, vocab, vocab)  # P(t3 | t1, t2)
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # [t1, t2, t3]
+    return joint.sum(0)
+
+
+def assert_sampling_lossless(lm: LoadedModel, method: str, prompt: list[int], *, runs: int = 2000,
+                             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                             params: dict[str, Any] | None = None, alpha: float = 1e-3) -> dict[str, int]:
+    """Chi-square test: the method's (t2, t3) frequencies match the target's exact distribution.
+
+    t1 comes from the prompt forward; t2 and t3 come from speculative steps, so this tests the verifier
+    with whatever the method drafts. Fails (with p < alpha) if the method biases the output; also fails
+    if the method never drafted or never saw a rejection, because then nothing was tested.
+    """
+    vocab = lm.model.config.vocab_size
+    counts = torch.zeros(vocab, vocab)
+    seen = {"drafted": 0, "accepted": 0, "rejected_steps": 0}
+    for seed in range(runs):
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        result = decode.run(lm, prompt, method, max_new_tokens=3, sampling=sampling, params=params)
+        t = result.token_ids
+        counts[t[1], t[2]] += 1
+        for step in result.steps:
+            seen["drafted"] += step.drafted
+            seen["accepted"] += step.accepted
+            seen["rejected_steps"] += int(step.corrected)
+    expected = exact_pair_distribution(lm, prompt, Sampling(temperature=temperature, top_p=top_p, top_k=top_k))
+    observed, expect = _merge_small_cells(counts.flatten(), expected.flatten() * runs)
+    chi2, p_value = stats.chisquare(observed.numpy(), expect.numpy())
+    assert seen["accepted"] > runs // 20 and seen["rejected_steps"] > runs // 20, f"too little drafting to test: {seen}"
+    assert p_value > alpha, f"{method}: output distribution differs from the target (chi2={chi2:.1f}, p={p_value:.2e})"
+    return seen
+
+
+def _merge_small_cells(observed: torch.Tensor, expected: torch.Tensor, minimum: float = 5.0):
+    """Pool cells with expected count < minimum into one, as the chi-square approximation needs."""
+    small = expected < minimum
+    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    if exp[-1] < minimum:
+        obs, exp = obs[:-1], exp[:-1]
+    scale = obs.sum() / exp.sum()
+    assert math.isclose(float(scale), 1.0, rel_tol=0.05), "pooled cells dropped too much mass"
+    return obs, exp * scale

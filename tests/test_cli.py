@@ -1,0 +1,76 @@
+"""The command line: real runs on the embedded model, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specgui.events import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "specgui", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_prints_text_summary_and_writes_a_trace(tmp_path, embedded_lm):
+    trace = tmp_path / "t.json"
+    out = cli("generate", "--method", "pld", "--prompt", "Name three colours.", "--max-new-tokens", "12",
+              "--trace", str(trace))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "[pld] " in out.stderr and "tau" in out.stderr
+    events = load_trace(trace)
+    assert events[0].method == "pld" and events[-1].new_tokens <= 12
+
+
+def test_bench_writes_json(tmp_path, embedded_lm):
+    report = tmp_path / "r.json"
+    out = cli("bench", "--methods", "hf-generate,pld", "--categories", "qa", "--limit", "1",
+              "--max-new-tokens", "8", "--json", str(report))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert set(data["methods"]) == {"baseline", "hf-generate", "pld"}
+    for figures in data["methods"].values():
+        assert {"tokens_per_s", "speedup", "mean_accepted", "identical", "total"} <= set(figures)
+    assert data["per_prompt"] and "category qa" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--prompt", ""], "prompt is empty"),
+    (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "-1"], "max-new-tokens"),
+    (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "top-p"),
+    (["generate", "--prompt", "hi", "--param", "nokey"], "KEY=VALUE"),
+    (["generate", "--prompt", "hi", "--model", "/no/such/model"], "no such model directory"),
+    (["generate", "--prompt", "hi", "--trace", "/no/such/dir/t.json"], "does not exist"),
+    (["generate"], "required"),
+    (["bench", "--prompts", "/no/such.jsonl"], "not found"),
+    (["bench", "--methods", "pld,zzz"], "unknown method"),
+    (["bench", "--repeats", "0"], "repeats"),
+    (["bench", "--categories", "poetry"], "no prompts in categories"),
+    (["bench", "--param", "pld.num_draft"], "KEY=VALUE"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    out = cli(*args, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_malformed_jsonl_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "category": "x", "prompt": "ok"}\n{"id": "b"\n')
+    out = cli("bench", "--prompts", str(bad))
+    assert out.returncode == 2 and "bad.jsonl:2: not valid JSON" in out.stderr
+
+
+def test_methods_lists_the_registry():
+    out = cli("methods")
+    assert out.returncode == 0 and "baseline" in out.stdout and "num_draft" in out.stdout

@@ -1,0 +1,101 @@
+"""The layer runner against `model.forward`, and the capabilities methods build on."""
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from specgui.kvcache import FrozenView, KVCache
+from specgui.runner import ATTN, MLP, SkipPlan
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_runner_matches_model_forward_incrementally(arch, attn):
+    lm = tiny_model(arch=arch, attn=attn, seed=3)
+    ids = torch.randint(0, 48, (12,))
+    with torch.no_grad():
+        reference = lm.model(ids[None]).logits[0]
+        cache = KVCache()
+        chunks = [(0, 5), (5, 6), (6, 9), (9, 12)]  # prefill, one token, then multi-token verify blocks
+        got = torch.cat([lm.runner.forward(ids[a:b], torch.arange(a, b), cache) for a, b in chunks])
+    assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
+
+
+def test_embedded_model_runner_matches_forward(embedded_lm):
+    ids = torch.tensor(embedded_lm.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"])
+    with torch.no_grad():
+        reference = embedded_lm.model(ids[None]).logits[0, -3:]
+        cache = KVCache()
+        embedded_lm.runner.forward(ids[:-3], torch.arange(len(ids) - 3), cache)
+        got = embedded_lm.runner.forward(ids[-3:], torch.arange(len(ids) - 3, len(ids)), cache)
+    assert torch.allclose(got, reference, atol=1e-4), (got - reference).abs().max()
+
+
+def test_skipping_sublayers_equals_zeroing_them(tiny_lm):
+    """Skipping layer 1's attention and layer 2's MLP = running a model whose those outputs are zero."""
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    plan = SkipPlan(attn=frozenset({1}), mlp=frozenset({2}))
+    layers = tiny_lm.runner.layers
+    with torch.no_grad():
+        got = tiny_lm.runner.forward(ids, torch.arange(8), KVCache(), skip=plan)
+        saved = layers[1].self_attn.o_proj.weight.clone(), layers[2].mlp.down_proj.weight.clone()
+        layers[1].self_attn.o_proj.weight.zero_()
+        layers[2].mlp.down_proj.weight.zero_()
+        try:
+            reference = tiny_lm.model(ids[None]).logits[0]
+        finally:
+            layers[1].self_attn.o_proj.weight.copy_(saved[0])
+            layers[2].mlp.down_proj.weight.copy_(saved[1])
+    assert torch.allclose(got, reference, atol=1e-5)
+
+
+def test_skipped_attention_leaves_that_layer_cache_short(tiny_lm):
+    cache = KVCache()
+    with torch.no_grad():
+        tiny_lm.runner.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache)
+        tiny_lm.runner.forward(torch.tensor([4]), torch.tensor([3]), cache, skip=SkipPlan(attn=frozenset({2})))
+    assert [cache.get_seq_length(i) for i in range(4)] == [4, 4, 3, 4]
+
+
+def test_visibility_runs_independent_branches_in_one_forward(tiny_lm):
+    """Two branches side by side with a block-diagonal mask = each branch run alone."""
+    prefix, a, b = [5, 6, 7, 8], [9, 10, 11], [12, 13]
+    with torch.no_grad():
+        cache = KVCache()
+        tiny_lm.runner.forward(torch.tensor(prefix), torch.arange(4), cache)
+        visible = torch.zeros(5, 5, dtype=torch.bool)
+        visible[:3, :3] = torch.ones(3, 3).tril().bool()
+        visible[3:, 3:] = torch.ones(2, 2).tril().bool()
+        positions = torch.tensor([4, 5, 6, 4, 5])  # both branches continue the same prefix
+        both = tiny_lm.runner.forward(torch.tensor(a + b), positions, FrozenView(cache, 4), visibility=visible)
+        alone_a = tiny_lm.runner.forward(torch.tensor(a), torch.arange(4, 7), FrozenView(cache, 4))
+        alone_b = tiny_lm.runner.forward(torch.tensor(b), torch.arange(4, 6), FrozenView(cache, 4))
+    assert torch.allclose(both, torch.cat([alone_a, alone_b]), atol=1e-5)
+    assert cache.get_seq_length(0) == 4  # the frozen view wrote nothing
+
+
+def test_observer_sees_every_sublayer_and_pre_layer_can_rewrite(tiny_lm):
+    seen = []
+    calls = []
+
+    def pre_layer(layer, h, step):
+        calls.append(layer)
+        return h * 0 if layer == 3 else h  # wipe the stream before the last layer
+
+    with torch.no_grad():
+        tiny_lm.runner.forward(torch.tensor([1, 2]), torch.arange(2), KVCache(),
+                               observer=lambda k, h: seen.append((k, h.shape)))
+        wiped = tiny_lm.runner.forward(torch.tensor([1, 2]), torch.arange(2), KVCache(), pre_layer=pre_layer)
+        fresh = tiny_lm.runner.forward(torch.tensor([7, 7]), torch.arange(2), KVCache(), pre_layer=pre_layer)
+    assert [k for k, _ in seen] == list(range(0, 2 * 4 + 1))
+    assert calls == [0, 1, 2, 3] * 2
+    assert torch.allclose(wiped, fresh)  # after the wipe, the input no longer matters
+
+
+def test_logits_rows_and_run_unit_kinds(tiny_lm):
+    ids = torch.tensor([4, 3, 2, 1])
+    with torch.no_grad():
+        full = tiny_lm.runner.forward(ids, torch.arange(4), KVCache())
+        last = tiny_lm.runner.forward(ids, torch.arange(4), KVCache(), logits_rows=slice(3, 4))
+    assert torch.allclose(full[3:], last)
+    assert (ATTN, MLP) == (0, 1)
