@@ -34,6 +34,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
     p.add_argument("--quantization", default=None, help="8bit or 4bit (bitsandbytes)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
+    p.add_argument("--small-batch-matmul", choices=("on", "off"), default="on",
+                   help="CPU: compute 2-64 row products as (W @ x.T).T (see specgui/kernels.py)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -109,7 +111,8 @@ def _load(args: argparse.Namespace):
     from specgui.loading import ModelSpec, load
 
     return load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                          quantization=args.quantization, trust_remote_code=args.trust_remote_code))
+                          quantization=args.quantization, trust_remote_code=args.trust_remote_code,
+                          small_batch_matmul=args.small_batch_matmul == "on"))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

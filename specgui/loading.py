@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from specgui import kernels
 from specgui.errors import SpecGUIError
 from specgui.runner import Runner
 
@@ -43,6 +44,7 @@ class ModelSpec:
     device_map: str | None = None  # "auto": spread over GPUs/CPU with accelerate
     quantization: str | None = None  # None | "8bit" | "4bit" (bitsandbytes)
     trust_remote_code: bool = False
+    small_batch_matmul: bool = True  # CPU only: see specgui/kernels.py
 
     def __post_init__(self) -> None:
         if not str(self.name).strip():
@@ -128,6 +130,8 @@ def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
     if spec.device_map is None and spec.quantization is None:
         model = model.to(device)
     model.eval()
+    if spec.small_batch_matmul:
+        kernels.install(model)
     runner = Runner(model)
     return LoadedModel(
         spec=spec,

@@ -99,3 +99,21 @@ def test_logits_rows_and_run_unit_kinds(tiny_lm):
         last = tiny_lm.runner.forward(ids, torch.arange(4), KVCache(), logits_rows=slice(3, 4))
     assert torch.allclose(full[3:], last)
     assert (ATTN, MLP) == (0, 1)
+
+
+def test_small_batch_matmul_is_the_same_product():
+    from specgui import kernels
+
+    lm = tiny_model(seed=5)
+    ids = torch.randint(0, 48, (9,))
+    with torch.no_grad():
+        reference = lm.model(ids[None]).logits[0]
+        assert kernels.install(lm.model) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer + LM head
+        try:
+            cache = KVCache()
+            got = torch.cat([lm.runner.forward(ids[:5], torch.arange(5), cache),
+                             lm.runner.forward(ids[5:6], torch.arange(5, 6), cache),
+                             lm.runner.forward(ids[6:], torch.arange(6, 9), cache)])
+        finally:
+            kernels.uninstall(lm.model)
+    assert torch.allclose(got, reference, atol=1e-5)
