@@ -4,6 +4,25 @@
 `Summary`. Front ends (CLI, bench, app) build everything they show from these; a trace is the list of
 events as JSON and loads back into the same dataclasses, so a recorded run replays without a model.
 Token text is included (`*_pieces`) for that reason: a replay has no tokenizer.
+
+Method payloads (`Prefill.payload`, `Step.payload`) are JSON-ready dicts. Keys any front end may rely
+on; a method sets the ones that apply, and new keys are fine:
+
+  "skip":          {"attn": [layer, ...], "mlp": [layer, ...]} sub-layers the draft skipped (layer skip)
+  "reoptimized":   true when the skip set was recomputed this step (CLaSp), with "dp_score" (cosine of
+                   the DP's final state to the full model's) and "dp_ms"
+  "acs":           [cosine per layer] attention in/out similarity over the prompt (ADMG, in Prefill)
+  "exit":          {"threshold": t, "confidences": [top-1 prob per draft token], "reason": why the
+                   draft stopped ("threshold", "max", "budget")}
+  "draft_len":     the draft length limit in force (adaptive back-off)
+  "fractal_layers": [layer, ...] where compressed passes are spliced in (Fractal, in Prefill and Step)
+  "origin":        [fractal layer per draft node] which fractal layer produced the node's final token
+  "branches":      [[token, ...] per branch] Self-Draft's draft branches as fed to this forward
+  "candidates":    [{"nodes": [node, ...], "source": "context" | "corpus", "key": [token, ...]}]
+  "hit":           {"candidate": index, "tokens": accepted count} the candidate the verifier kept
+  "cache_sizes":   {"context": n, "corpus": n} n-gram cache sizes
+  "ngram":         length of the matched suffix (prompt lookup)
+Any key ending in "_ms" is a per-call time that `bench --profile` averages.
 """
 
 from __future__ import annotations
