@@ -75,13 +75,24 @@ def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int 
                        source="in-process")
 
 
+_BASELINES: dict[tuple[int, tuple[int, ...], int], decode.Result] = {}
+
+
+def baseline_run(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> decode.Result:
+    """Greedy baseline for a prompt, computed once per model, prompt and length (every method compares to it)."""
+    key = (id(lm.model), tuple(ids), max_new_tokens)
+    if key not in _BASELINES:
+        _BASELINES[key] = decode.run(lm, ids, "baseline", max_new_tokens=max_new_tokens)
+    return _BASELINES[key]
+
+
 def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int]], max_new_tokens: int,
                             params: dict[str, Any] | None = None, min_accepted: int = 1) -> list:
     """`method` must reproduce baseline's greedy tokens exactly, and must actually have drafted."""
     accepted = 0
     results = []
     for ids in prompts:
-        base = decode.run(lm, ids, "baseline", max_new_tokens=max_new_tokens)
+        base = baseline_run(lm, ids, max_new_tokens)
         got = decode.run(lm, ids, method, max_new_tokens=max_new_tokens, params=params)
         if got.token_ids != base.token_ids:
             pos = next(i for i, (a, b) in enumerate(zip([*got.token_ids, -1], [*base.token_ids, -1])) if a != b)
