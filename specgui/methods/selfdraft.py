@@ -20,8 +20,9 @@ Branches start as one prompt token each and grow one token per forward: these ar
 steps, which harvest nothing until a branch holds a full n-gram window. Unlike Algorithm 1, candidates are
 verified from the first step, since the prompt-indexed context cache is never empty.
 
-On a GPU the paper's N = L = 6 rides for free; on a CPU every extra token in the forward costs time, so the
-presets in configs/selfdraft.yaml come from `python -m specgui.grid`.
+On a GPU the paper's N = L = 6 rides for free; on a CPU every token past about five in a forward costs time,
+so the presets in configs/selfdraft.yaml come from `python -m specgui.grid`: there `max_forward` caps the
+forward, candidates take the slots first and the branches take turns in whatever room is left.
 """
 
 from __future__ import annotations
