@@ -1,0 +1,219 @@
+"""`selfdraft`: Self-Draft (Gao et al., AAAI 2025), multi-branch drafting with context and corpus n-gram caches.
+
+One target forward does three jobs (the paper's Fig. 3):
+  * it decodes the pending token, as plain decoding would;
+  * it verifies n-gram candidates retrieved for the text so far, merged into a trie (the `Draft` tree),
+    so that candidates sharing a prefix share nodes;
+  * it advances N draft branches: each branch is a short token sequence placed right after the pending
+    token (positions c+1, c+2, ...) that sees the committed text, the pending token and its own earlier
+    tokens, never a candidate or another branch (block-diagonal mask). The target's next-token choice at
+    every branch position yields n-grams [window; prediction] for the context cache, and the branch grows
+    by its last prediction, dropping its oldest token past L. Branches ride as `Extras`, so their keys and
+    values leave the cache with the forward: only accepted tokens stay.
+
+The context cache also indexes the prompt and the generated text (prompt lookup's strength on summaries and
+edits), most recent first; the corpus cache holds frequent n-grams of the model's own outputs on a broad
+prompt set (`specgui/corpus.py`). Retrieval takes context candidates first, then corpus ones, each backing
+off from the longest key to a one-token key, until the trie holds `budget` tokens.
+
+Branches start as one prompt token each and grow one token per forward: these are Algorithm 1's warm-up
+steps, which harvest nothing until a branch holds a full n-gram window. Unlike Algorithm 1, candidates are
+verified from the first step, since the prompt-indexed context cache is never empty.
+
+On a GPU the paper's N = L = 6 rides for free; on a CPU every token past about five in a forward costs time,
+so the presets in configs/selfdraft.yaml come from `python -m specgui.grid`: there `max_forward` caps the
+forward, candidates take the slots first and the branches take turns in whatever room is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specgui.draft import Draft, Extras, Outcome
+from specgui.errors import SpecGUIError
+from specgui.methods.base import DecodeState, Drafter, register
+from specgui.ngram_cache import CorpusCache, NgramCache, load_corpus
+from specgui.params import param
+
+
+@dataclass(frozen=True)
+class SelfDraftParams:
+    branches: int = param(low=0, high=16, help="draft branches N (0: none)")
+    branch_len: int = param(low=1, high=16, help="longest draft branch L: the oldest token drops past it")
+    gram: int = param(low=1, high=8, help="n-gram length G: tokens a candidate proposes after its key")
+    max_key: int = param(low=1, high=4, help="longest key (tokens) that retrieval backs off from")
+    budget: int = param(low=0, high=64, help="most candidate tokens (trie nodes) verified per forward")
+    max_forward: int = param(low=0, high=512, help="most tokens per forward; branches ride, in turn, only in the "
+                             "room candidates leave (0: no limit, every branch every forward)")
+    lru: int = param(low=1, high=64, help="continuations the context cache keeps per key")
+    use_context: bool = param(help="verify context-cache candidates (off also stops the branches feeding it)")
+    use_corpus: bool = param(help="verify corpus-cache candidates")
+    corpus: str = param(help="corpus cache under assets/corpus/ built with the model's tokenizer ('' = none)")
+
+
+class CandidateTrie:
+    """Candidates merged into a token tree rooted at the pending token, at most `budget` nodes."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.budget
+
+    def add(self, gram: tuple[int, ...]) -> list[int] | None:
+        """Insert a candidate; return its nodes, or None when it adds no new node (a duplicate, or no room)."""
+        nodes: list[int] = []
+        node, grew = -1, False
+        for token in gram:
+            child = self.children.get((node, token))
+            if child is None:
+                if self.full:
+                    break
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.children[(node, token)] = child
+                grew = True
+            nodes.append(child)
+            node = child
+        return nodes if grew else None
+
+
+@register
+class SelfDraft(Drafter):
+    name = "selfdraft"
+    title = "Self-Draft"
+    summary = "Verifies context and corpus n-grams while draft branches in the same forward feed the context cache."
+    Params = SelfDraftParams
+
+    def begin(self, state: DecodeState) -> None:
+        p = self.params
+        self.context = NgramCache(p.max_key, p.lru)
+        self.corpus = self._corpus() if p.use_corpus and p.corpus else None
+        self.indexed = 0  # text positions before this one are indexed with a full continuation
+        # Branches start from prompt tokens spread over the prompt's second half (the user's text, after any
+        # chat-template preamble); deterministic, so that runs and benchmarks repeat exactly.
+        count = p.branches if p.use_context else 0
+        pool = state.tokens[len(state.tokens) // 2 :]
+        pool = pool if len(pool) >= count else state.tokens
+        self.branches = [[pool[(i * len(pool)) // count]] for i in range(count)]
+        self.fed: dict[int, list[int]] = {}  # branch index -> its tokens as fed to the last forward
+        self.turn = 0  # the branch first in line for the next forward
+        self.candidates: list[dict[str, Any]] = []
+
+    def _corpus(self) -> CorpusCache:
+        corpus = load_corpus(self.params.corpus)
+        vocab = int(self.runner.config.vocab_size)
+        if int(corpus.meta["vocab_size"]) != vocab:
+            raise SpecGUIError(f"corpus cache {self.params.corpus!r} was built for a vocabulary of "
+                               f"{corpus.meta['vocab_size']} tokens, this model has {vocab}: set "
+                               "selfdraft.corpus to a matching cache, or '' for none")
+        return corpus
+
+    # -- 1. draft -------------------------------------------------------------------------------------------
+
+    def draft(self, state: DecodeState) -> Draft:
+        depth = state.max_depth
+        trie, self.candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
+        self.fed = self._choose_branches(len(trie.tokens)) if depth > 0 else {}
+        info: dict[str, Any] = {"branches": list(self.fed.values()), "candidates": self.candidates,
+                                "warmup": any(len(b) < self.params.branch_len for b in self.branches)}
+        extras = self._extras(state.committed, len(trie.tokens)) if self.fed else None
+        return Draft(tokens=trie.tokens, parents=trie.parents, extras=extras, info=info)
+
+    def _choose_branches(self, nodes: int) -> dict[int, list[int]]:
+        """Every branch, or with `max_forward` those that fit beside the pending token and the candidates.
+
+        On a CPU a forward of up to ~5 tokens costs about one token and each token past that costs more, so
+        the branches can use the slots that retrieval left free without slowing the verify forward; they
+        take turns, so every branch keeps advancing.
+        """
+        count = len(self.branches)
+        if not self.params.max_forward:
+            return {i: list(b) for i, b in enumerate(self.branches)}
+        room = self.params.max_forward - 1 - nodes
+        fed: dict[int, list[int]] = {}
+        for i in [(self.turn + j) % count for j in range(count)]:
+            if len(self.branches[i]) <= room:
+                fed[i] = list(self.branches[i])
+                room -= len(self.branches[i])
+                self.turn = (i + 1) % count
+        return dict(sorted(fed.items()))
+
+    def _retrieve(self, text: list[int], depth: int) -> tuple[CandidateTrie, list[dict[str, Any]]]:
+        """Context candidates first, then corpus ones, longest key first, until the trie is full."""
+        budget = self.params.budget if depth > 0 else 0
+        if self.params.max_forward:
+            budget = min(budget, self.params.max_forward - 1)
+        trie = CandidateTrie(budget)
+        candidates: list[dict[str, Any]] = []
+        sources = [("context", self.context if self.params.use_context else None), ("corpus", self.corpus)]
+        for source, cache in sources:
+            if cache is None:
+                continue
+            for key, gram in cache.lookup(text, self.params.max_key):
+                if trie.full:
+                    return trie, candidates
+                nodes = trie.add(gram[:depth])
+                if nodes is not None:
+                    candidates.append({"nodes": nodes, "source": source, "key": list(key)})
+        return trie, candidates
+
+    def _extras(self, committed: int, nodes: int) -> Extras:
+        """The branches as ride-along tokens: branch j's i-th token sits at position committed + 1 + i and
+        sees the pending token (column 0) and its own branch up to itself (block-diagonal, lower-triangular)."""
+        lengths = [len(b) for b in self.fed.values()]
+        extra = sum(lengths)
+        own = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() for n in lengths])
+        visibility = torch.zeros(extra, 1 + nodes + extra, dtype=torch.bool)
+        visibility[:, 0] = True
+        visibility[:, 1 + nodes :] = own
+        tokens = [t for b in self.fed.values() for t in b]
+        positions = [committed + 1 + i for n in lengths for i in range(n)]
+        return Extras(tokens=tokens, positions=positions, visibility=visibility)
+
+    # -- 5. observe -----------------------------------------------------------------------------------------
+
+    def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if outcome.extra_logits is not None:
+            self._advance_branches(outcome.extra_logits.argmax(-1).tolist())
+        if self.params.use_context:
+            self._index_text(state.tokens)
+        payload: dict[str, Any] = {"cache_sizes": {"context": len(self.context),
+                                                   "corpus": len(self.corpus) if self.corpus else 0}}
+        if outcome.path:
+            hit = next(i for i, c in enumerate(self.candidates) if c["nodes"][: len(outcome.path)] == outcome.path)
+            payload["hit"] = {"candidate": hit, "tokens": len(outcome.path)}
+        return payload
+
+    def _advance_branches(self, predicted: list[int]) -> None:
+        """Harvest [window; prediction] n-grams from every branch, then append its last prediction.
+
+        `predicted[r]` is the target's argmax after extra row r: the token that follows the committed text,
+        the pending token and the branch up to that row. Windows hold min(G, L) branch tokens, so a branch
+        harvests nothing while it is shorter (the warm-up).
+        """
+        window = min(self.params.gram, self.params.branch_len)
+        row = 0
+        for i, fed in self.fed.items():
+            branch = self.branches[i]
+            after = predicted[row : row + len(fed)]
+            row += len(fed)
+            for k in range(window - 1, len(fed)):
+                self.context.add_gram([*fed[k - window + 1 : k + 1], after[k]])
+            branch.append(after[-1])
+            del branch[: max(0, len(branch) - self.params.branch_len)]
+
+    def _index_text(self, tokens: list[int]) -> None:
+        """Index prompt and output as they grow; the last G positions are re-indexed as their continuations
+        lengthen (the cache keeps only the longest version of each)."""
+        gram = self.params.gram
+        self.context.add_text(tokens, gram, range(self.indexed, len(tokens) - 1))
+        self.indexed = max(self.indexed, len(tokens) - gram)
