@@ -20,14 +20,14 @@ from specgui.errors import SpecGUIError
 from specgui.params import specs
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that reports errors in one line (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SpecGUIError(message)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded", help="'embedded' (default), a hub id or a local directory")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
@@ -49,15 +49,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m specgui", description="Self-speculative decoding, step by step.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="python -m specgui", description="Self-speculative decoding, step by step.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     gen = sub.add_parser("generate", help="generate text with one method")
     gen.add_argument("--method", default="baseline")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--trace", default=None, metavar="FILE.json", help="write every event as JSON")
-    _model_args(gen)
+    add_model_args(gen)
     _sampling_args(gen)
 
     bench = sub.add_parser("bench", help="benchmark methods on a prompt suite")
@@ -68,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--json", default=None, metavar="OUT.json")
     bench.add_argument("--profile", action="store_true", help="print time per phase and method figures")
-    _model_args(bench)
+    add_model_args(bench)
     _sampling_args(bench)
 
     sub.add_parser("methods", help="list methods and their parameters")
     return parser
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     value = yaml.safe_load(text)
     if not isinstance(value, (int, float, str, bool)):
         raise SpecGUIError(f"parameter value {text!r} must be a number, true/false or a word")
@@ -93,9 +93,9 @@ def _overrides(items: list[str], scoped: bool) -> dict[str, Any]:
             if not dot:
                 raise SpecGUIError(f"--param {item!r}: bench expects METHOD.KEY=VALUE")
             methods.get(method)
-            out.setdefault(method, {})[key] = _parse_value(value)
+            out.setdefault(method, {})[key] = parse_value(value)
         else:
-            out[key] = _parse_value(value)
+            out[key] = parse_value(value)
     return out
 
 
@@ -107,7 +107,7 @@ def _sampling(args: argparse.Namespace):
     return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
-def _load(args: argparse.Namespace):
+def load_model(args: argparse.Namespace):
     from specgui.loading import ModelSpec, load
 
     return load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
@@ -129,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         parent = Path(args.trace).resolve().parent
         if not parent.is_dir():
             raise SpecGUIError(f"cannot write trace: folder {str(parent)!r} does not exist")
-    lm = _load(args)
+    lm = load_model(args)
     ids = encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw)
     events = list(decode.generate(lm, ids, args.method, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   params=overrides, prompt_text=args.prompt))
@@ -170,7 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         parent = Path(args.json).resolve().parent
         if not parent.is_dir():
             raise SpecGUIError(f"cannot write results: folder {str(parent)!r} does not exist")
-    lm = _load(args)
+    lm = load_model(args)
     with tqdm(total=len(rows) * len(names) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
         report = bench.bench(lm, rows, names, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              sampling=sampling, params=overrides, progress=bar.update)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specgui.cli import _load, _model_args, _Parser
+from specgui.cli import Parser, add_model_args, load_model
 from specgui.errors import SpecGUIError
 from specgui.ngram_cache import CORPUS_DIR, CorpusCache
 from specgui.prompts import load_prompts
@@ -93,14 +93,14 @@ def build(texts: list[list[int]], meta: dict, per_key: int, min_count: int) -> C
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m specgui.corpus", description="Build a Self-Draft corpus cache.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="python -m specgui.corpus", description="Build a Self-Draft corpus cache.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     gen = sub.add_parser("generate", help="append the model's greedy outputs for a prompt set")
     gen.add_argument("--prompts", default=str(CORPUS_DIR / "prompts.jsonl"))
     gen.add_argument("--out", required=True, metavar="OUTPUTS.jsonl")
     gen.add_argument("--max-new-tokens", type=int, default=160)
     gen.add_argument("--budget-s", type=float, default=400.0, help="stop starting new batches after this long")
-    _model_args(gen)
+    add_model_args(gen)
     make = sub.add_parser("build", help="count n-grams of generated outputs into assets/corpus/<name>.npz")
     make.add_argument("--texts", required=True, metavar="OUTPUTS.jsonl")
     make.add_argument("--name", required=True)
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--gram", type=int, default=4)
     make.add_argument("--per-key", type=int, default=4)
     make.add_argument("--min-count", type=int, default=2)
-    _model_args(make)
+    add_model_args(make)
     try:
         args = parser.parse_args(argv)
-        lm = _load(args)
+        lm = load_model(args)
         if args.command == "generate":
             written = generate(lm, Path(args.prompts), Path(args.out), args.max_new_tokens, args.budget_s)
             print(f"wrote {written} outputs to {args.out}")

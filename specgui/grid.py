@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specgui import bench, methods
-from specgui.cli import _load, _model_args, _parse_value, _Parser
+from specgui.cli import Parser, add_model_args, load_model, parse_value
 from specgui.errors import SpecGUIError
 from specgui.prompts import BUILTIN_SUITE, PromptRow, load_prompts
 from specgui.sampling import GREEDY
@@ -35,13 +35,13 @@ def settings(grid: list[str], fixed: list[str]) -> list[dict[str, Any]]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecGUIError(f"--set {item!r}: expected KEY=VALUE")
-        base[key] = _parse_value(value)
+        base[key] = parse_value(value)
     axes: list[list[tuple[str, Any]]] = []
     for item in grid:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise SpecGUIError(f"--grid {item!r}: expected KEY=V1,V2,...")
-        axes.append([(key, _parse_value(v)) for v in values.split(",")])
+        axes.append([(key, parse_value(v)) for v in values.split(",")])
     return [{**base, **dict(combo)} for combo in itertools.product(*axes)]
 
 
@@ -117,7 +117,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m specgui.grid", description="Sweep one method's parameters against baseline.")
+    parser = Parser(prog="python -m specgui.grid", description="Sweep one method's parameters against baseline.")
     parser.add_argument("--method", default="selfdraft")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to sweep")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=V", help="value fixed for all settings")
@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=1, help="prompts per category")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--json", default=None, metavar="OUT.json")
-    _model_args(parser)
+    add_model_args(parser)
     try:
         args = parser.parse_args(argv)
         methods.get(args.method)
         grid = settings(args.grid, args.set)
         rows = pick_prompts(args.prompts, args.categories, args.limit)
-        lm = _load(args)
+        lm = load_model(args)
         print(f"{args.method} on {lm.name} ({lm.runner.device}), {len(rows)} prompts, {args.max_new_tokens} new "
               f"tokens, {len(grid)} settings", file=sys.stderr)
         results = measure(lm, rows, args.method, grid, args.max_new_tokens,
