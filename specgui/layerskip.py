@@ -28,7 +28,7 @@ import torch
 from specgui.draft import Draft, Outcome
 from specgui.methods.base import DecodeState, Drafter
 from specgui.params import param
-from specgui.runner import SkipPlan
+from specgui.runner import Observer, SkipPlan
 from specgui.sampling import probabilities
 
 
@@ -39,7 +39,7 @@ class Chain:
     tokens: list[int]
     probs: torch.Tensor | None  # [N, V]
     confidences: list[float]  # top-1 probability of the draft distribution at each token
-    reason: str  # "threshold", "max" (draft length limit) or "budget" (end of the generation)
+    reason: str  # "threshold", "max" (draft length limit), "budget" (end of the generation) or "paused"
 
 
 def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, max_draft: int, threshold: float) -> Chain:
@@ -157,7 +157,7 @@ class LayerSkipParams:
 class LayerSkipDrafter(Drafter):
     """Drafts with `self.plan` skipped; subclasses choose the plan in `begin` / `learn`."""
 
-    def begin(self, state: DecodeState) -> Any:
+    def begin(self, state: DecodeState) -> Observer | None:
         self.plan = SkipPlan()
         self.exit = self.make_exit()
         self.backoff = BackOff(self.params.backoff_window, self.params.max_pause)
@@ -180,20 +180,15 @@ class LayerSkipDrafter(Drafter):
         limit = min(self.params.max_draft, state.max_depth)
         drafting = self.backoff.drafting() and limit > 0
         self.chain = draft_chain(state, self.plan, limit, self.params.max_draft, self.exit.value) if drafting else None
-        info: dict[str, Any] = {"skip": self.plan.to_dict(), "draft_len": limit if drafting else 0}
-        if self.chain is not None:
-            info["exit"] = {"threshold": self.exit.value, "confidences": self.chain.confidences,
-                            "reason": self.chain.reason}
-        else:
-            info["exit"] = {"threshold": self.exit.value, "confidences": [],
-                            "reason": "paused" if limit > 0 else "budget"}
-        draft = Draft(tokens=self.chain.tokens if self.chain else [], probs=self.chain.probs if self.chain else None,
-                      observer=self.observer(state, drafting), info=info)
+        shown = self.chain or Chain([], None, [], "paused" if limit > 0 else "budget")
+        info = {"skip": self.plan.to_dict(), "draft_len": limit if drafting else 0,
+                "exit": {"threshold": self.exit.value, "confidences": shown.confidences, "reason": shown.reason}}
+        draft = Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info)
         self.draft_end = time.perf_counter()
         self.draft_ms = (self.draft_end - start) * 1000
         return draft
 
-    def observer(self, state: DecodeState, drafting: bool) -> Any:
+    def observer(self, drafting: bool) -> Observer | None:
         """An observer for this step's verify forward (CLaSp records hidden states); None by default."""
         return None
 

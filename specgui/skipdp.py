@@ -68,7 +68,7 @@ def search(runner: Runner, cache, position: int, hidden: torch.Tensor, units: li
     allowed = set(range(len(units))) if allowed is None else set(allowed)
     budget = min(budget, len(allowed))
     rows = _RowPasses(runner, cache, position)
-    # skippable units after unit i: a row-i state that skipped j can still reach `budget` only if j + that >= it
+    # ahead[i]: skippable units from unit i on. Only states that can still end at `budget` are kept.
     ahead = [0] * (len(units) + 1)
     for i in reversed(range(len(units))):
         ahead[i] = ahead[i + 1] + (i in allowed)
@@ -124,7 +124,7 @@ class _RowPasses:
         h = batch.unsqueeze(0)
         for layer, kind in unit:
             h = self.passes[n].run_unit(h, layer, kind)
-        return h[0]
+        return h[0].to(batch.device)  # layers may sit on other devices (device_map); the DP stays on one
 
 
 class HiddenRecorder:
@@ -137,5 +137,6 @@ class HiddenRecorder:
         self.states[k] = h
 
     def row(self, r: int) -> torch.Tensor:
-        """[2 * layers + 1, H]: the states of block row `r`, in observer order."""
-        return torch.stack([self.states[k][0, r] for k in sorted(self.states)])
+        """[2 * layers + 1, H]: the states of block row `r`, in observer order, on the embedding's device."""
+        device = self.states[0].device
+        return torch.stack([self.states[k][0, r].to(device) for k in sorted(self.states)])

@@ -54,7 +54,7 @@ class Clasp(LayerSkipDrafter):
     def overhead_ms(self) -> float:
         return self.dp_ms / self.params.loi
 
-    def observer(self, state: DecodeState, drafting: bool) -> HiddenRecorder | None:
+    def observer(self, drafting: bool) -> HiddenRecorder | None:
         # record only where a DP may follow: a drafted step once the interval is up
         self.recording = drafting and self.since_dp + 1 >= self.params.loi
         return self.recorder if self.recording else None
