@@ -1,0 +1,87 @@
+"""`admg`: Adaptive Self-Speculative Decoding (ASD) with its Adaptive Draft Model Generator (ADMG).
+
+The skip set is chosen once per prompt, from the prompt forward itself: the average cosine
+similarity (ACS) between the hidden states before and after each attention sub-layer, over the
+prompt's positions, says how little that attention changes the residual stream. ADMG (Algorithm 1)
+removes every attention with ACS >= alpha (CS thresholding), every m-th layer whole (rule 1), but
+nothing in the last n layers (rule 2). Drafts stop by Draft & Verify's adaptive draft-exit
+threshold, which follows recent acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specgui.draft import Outcome
+from specgui.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
+from specgui.methods.base import DecodeState, register
+from specgui.params import param
+from specgui.runner import SkipPlan
+
+
+@dataclass(frozen=True)
+class AdmgParams(LayerSkipParams):
+    alpha: float = param(low=0.0, high=1.0, help="remove attention sub-layers whose prompt ACS is >= alpha")
+    every: int = param(low=0, high=1024, help="rule 1: remove every m-th layer (attention and MLP); 0 = off")
+    keep_last: int = param(low=0, high=1024, help="rule 2: never remove anything in the last n layers")
+    exit_threshold: float = param(low=0.0, high=1.0, help="initial draft-exit threshold on the draft's top-1 "
+                                                          "probability")
+    target_acceptance: float = param(low=0.0, high=1.0, help="acceptance rate the adaptive exit steers towards")
+    exit_step: float = param(low=0.0, high=1.0, help="how far the exit threshold moves per step (before smoothing)")
+
+
+class AcsMeter:
+    """Prefill observer: mean cosine similarity between each attention sub-layer's input and output."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.acs = [0.0] * num_layers
+        self.before: torch.Tensor | None = None
+
+    def __call__(self, k: int, h: torch.Tensor) -> None:
+        if k % 2 == 1:  # k = 2 * layer + 1: the state after layer's attention
+            cos = torch.nn.functional.cosine_similarity(self.before.float(), h.float(), dim=-1)  # [1, T]
+            self.acs[(k - 1) // 2] = float(cos.mean())
+        self.before = h
+
+
+def admg_plan(acs: list[float], alpha: float, every: int, keep_last: int) -> SkipPlan:
+    """ADMG (Algorithm 1) with 0-based layers: paper layer l is index l - 1.
+
+    Two guards the paper's large models never needed: rule 2 leaves at least the first layer
+    removable, and when the rules remove nothing (no attention reaches alpha, as on small models)
+    the attention with the highest ACS goes, since a draft model equal to the target drafts nothing
+    useful.
+    """
+    removable = range(max(1, len(acs) - keep_last))
+    whole = {i for i in removable if every and (i + 1) % every == 0}
+    attn = {i for i in removable if acs[i] >= alpha} | whole
+    if not attn:
+        attn = {max(removable, key=lambda i: acs[i])}
+    return SkipPlan(attn=frozenset(attn), mlp=frozenset(whole))
+
+
+@register
+class Admg(LayerSkipDrafter):
+    name = "admg"
+    title = "ASD / ADMG"
+    summary = "Skips attention layers that barely change the prompt's hidden states, plus every m-th layer."
+    Params = AdmgParams
+
+    def begin(self, state: DecodeState) -> AcsMeter:
+        super().begin(state)
+        self.meter = AcsMeter(self.runner.num_layers)
+        return self.meter
+
+    def make_exit(self) -> ExitThreshold:
+        p = self.params
+        return ExitThreshold(p.exit_threshold, target=p.target_acceptance, step=p.exit_step)
+
+    def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if self.stepping:
+            return {}
+        p = self.params
+        self.plan = admg_plan(self.meter.acs, p.alpha, p.every, p.keep_last)
+        return {"acs": self.meter.acs, "skip": self.plan.to_dict()}

@@ -1,0 +1,53 @@
+"""ADMG / ASD: the prompt's attention similarities, the removal rules, the adaptive exit in the events."""
+
+import pytest
+import torch
+
+from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
+from specgui import decode
+from specgui.kvcache import KVCache
+from specgui.methods.admg import AcsMeter, admg_plan
+from specgui.skipdp import HiddenRecorder
+
+
+def test_rules_threshold_every_mth_layer_and_keep_the_last():
+    acs = [0.5, 0.95, 0.7, 0.8, 0.99, 0.6, 0.97, 0.4, 0.92, 0.3, 0.99, 0.99]
+    plan = admg_plan(acs, alpha=0.9, every=4, keep_last=2)
+    # paper layers 4 and 8 (indices 3, 7) go whole; attention >= 0.9 goes unless in the last 2 layers
+    assert plan.mlp == {3, 7}
+    assert plan.attn == {1, 3, 4, 6, 7, 8}
+
+
+def test_rules_always_leave_a_draft_model():
+    acs = [0.2, 0.6, 0.5, 0.9]
+    assert admg_plan(acs, alpha=0.99, every=0, keep_last=2).to_dict() == {"attn": [1], "mlp": []}
+    assert admg_plan(acs, alpha=0.99, every=0, keep_last=10).to_dict() == {"attn": [0], "mlp": []}
+
+
+def test_acs_is_the_mean_cosine_across_each_attention(tiny_lm):
+    ids = torch.tensor([4, 8, 15, 16, 23, 42, 7, 7, 1])
+    meter, recorder = AcsMeter(4), HiddenRecorder()
+    with torch.no_grad():
+        tiny_lm.runner.forward(ids, torch.arange(9), KVCache(), observer=lambda k, h: (meter(k, h), recorder(k, h)))
+    for layer in range(4):
+        before, after = recorder.states[2 * layer][0], recorder.states[2 * layer + 1][0]  # [T, H]
+        expected = torch.nn.functional.cosine_similarity(before, after, dim=-1).mean()
+        assert meter.acs[layer] == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_events_carry_acs_skip_set_and_adaptive_exit(tiny_lm):
+    params = {"max_pause": 0, "exit_threshold": 0.5, "target_acceptance": 0.99, "exit_step": 0.5}
+    result = decode.run(tiny_lm, [1, 2, 3, 4, 5, 6], "admg", max_new_tokens=30, params=params)
+    prefill = result.events[1].payload
+    assert len(prefill["acs"]) == 4 and prefill["skip"]["attn"]
+    assert all(s.payload["skip"] == prefill["skip"] for s in result.steps)
+    thresholds = [s.payload["exit"]["threshold"] for s in result.steps]
+    # a random tiny model misses the 99% acceptance target and is never 50% sure: the exit gets stricter
+    assert thresholds[0] == 0.5 and thresholds[-1] > 0.5
+
+
+def test_always_drafting_is_lossless(tiny_lm):
+    params = {"max_pause": 0, "exit_threshold": 0.0, "exit_step": 0.0, "every": 2, "keep_last": 1}
+    assert_greedy_identical(tiny_lm, "admg", [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 6, 5]], 30, params=params)
+    sampling_lm = tiny_model(vocab=12, layers=3, hidden=32, init=0.5, seed=1)
+    assert_sampling_lossless(sampling_lm, "admg", [5, 3, 8, 1, 0, 11, 7, 2, 9, 4, 6, 10], runs=1500, params=params)
