@@ -23,7 +23,6 @@ CPU), so `compressed_copy` keeps one copy per runner and backend for the runner'
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 import weakref
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specgui.errors import SpecGUIError
@@ -95,6 +95,95 @@ class TorchFp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class FusedRMSNorm(nn.Module):
+    """The original norm's weight through torch's single-kernel `rms_norm` (HF's takes six ops)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class CompressedAttention(nn.Module):
+    """Llama-family self-attention (Llama, Mistral, Qwen2 biases, Qwen3 q/k norms) over one fused q/k/v
+    projection, called like the transformers module it copies (`Pass.run_unit` does)."""
+
+    def __init__(self, attn: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+        super().__init__()
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.qkv_proj = make(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+        self.o_proj = make(attn.o_proj)
+        has_norms = hasattr(attn, "q_norm")
+        self.q_norm = FusedRMSNorm(attn.q_norm) if has_norms else None
+        self.k_norm = FusedRMSNorm(attn.k_norm) if has_norms else None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, past_key_values: Any, **kwargs: Any) -> tuple[torch.Tensor]:
+        b, t, _ = hidden_states.shape
+        qkv = self.qkv_proj(hidden_states).view(b, t, -1, self.head_dim)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = (e.unsqueeze(1) for e in position_embeddings)
+        q, k = _rotary(q.transpose(1, 2), cos, sin), _rotary(k.transpose(1, 2), cos, sin)
+        k, v = past_key_values.update(k, v.transpose(1, 2), self.layer_idx)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return (self.o_proj(out.transpose(1, 2).reshape(b, t, -1)),)
+
+
+class CompressedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, mlp: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+        super().__init__()
+        self.gate_up_proj = make(_fuse([mlp.gate_proj, mlp.up_proj]))
+        self.down_proj = make(mlp.down_proj)
+        self.act_fn = mlp.act_fn
+        self.split = mlp.gate_proj.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.split, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class CompressedLayer(nn.Module):
+    """A decoder layer's compressed copy, with the parts `Pass.run_unit` calls."""
+
+    def __init__(self, layer: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+        super().__init__()
+        self.input_layernorm = FusedRMSNorm(layer.input_layernorm)
+        self.self_attn = CompressedAttention(layer.self_attn, make)
+        self.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
+        self.mlp = CompressedMLP(layer.mlp, make)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers' Llama applies it (rotate_half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _fuse(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear computing several over the same input, outputs concatenated (weights are shared copies)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(lin.bias is not None for lin in linears),
+                      device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() if lin.bias is not None else
+                                             weight.new_zeros(lin.out_features) for lin in linears]),
+                                  requires_grad=False)
+    return fused
 
 
 @dataclass
@@ -162,20 +251,14 @@ def compress(runner: Runner, backend: str) -> CompressedModel:
         make = partial(_bnb_linear, bnb)
     else:
         make = TorchInt8Linear if backend == "torch-int8" else TorchFp16Linear
-    layers = [_replace_linears(copy.deepcopy(layer), make) for layer in runner.layers]
+    try:
+        layers = [CompressedLayer(layer, make) for layer in runner.layers]
+    except AttributeError as exc:
+        raise SpecGUIError(f"Fractal cannot compress {type(runner.layers[0]).__name__}: {exc}") from None
     return CompressedModel(layers=layers, lm_head=make(runner.lm_head),
                            embed=Int8Embedding(runner.embed.weight, runner.dtype), norm=runner.norm,
                            norm_device=execution_device(runner.norm), head_device=runner.head_device,
                            backend=backend, build_ms=(time.perf_counter() - start) * 1000)
-
-
-def _replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
-    """Swap every nn.Linear inside `module` (a deep copy) for its compressed version."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, make(child))
-    return module
 
 
 def _bnb_linear(bnb: Any, linear: nn.Linear) -> nn.Module:

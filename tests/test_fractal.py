@@ -14,14 +14,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import CharTokenizer, assert_greedy_identical, assert_sampling_lossless, tiny_model
 from specgui import decode, methods
-from specgui.compress import compressed_copy
+from specgui.compress import CompressedLayer, compressed_copy
 from specgui.errors import SpecGUIError
 from specgui.events import Prefill
 from specgui.kvcache import FrozenView, KVCache
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.methods.base import DecodeState
 from specgui.methods.fractal import Splice, consistent_chain, fractal_positions, origins
-from specgui.runner import Pass, Runner
+from specgui.runner import ATTN, MLP, Pass, Runner
 from specgui.sampling import GREEDY
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
@@ -139,6 +139,27 @@ def test_payload_names_layers_origins_and_the_time_split(tiny_lm, carry):
 
 
 # -- the compressed copy --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_compressed_layer_computes_what_the_original_does(arch, attn):
+    """With uncompressed linears the fused copy equals the transformers layer, sub-layer by sub-layer."""
+    lm = tiny_model(arch=arch, attn=attn, seed=2)
+    runner = lm.runner
+    copies = [CompressedLayer(layer, make=lambda linear: linear) for layer in runner.layers]
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    with torch.inference_mode():
+        cache = KVCache()
+        runner.forward(ids[:6], torch.arange(6), cache)
+        step = Pass(runner, torch.arange(6, 10), FrozenView(cache, 6), None)
+        h = runner.embed(ids[6:].view(1, -1))
+        for layer in range(runner.num_layers):
+            for kind in (ATTN, MLP):
+                want = step.run_unit(h, layer, kind)
+                got = step.run_unit(h, layer, kind, module=copies[layer])
+                assert torch.allclose(got, want, atol=1e-5), (arch, layer, kind, (got - want).abs().max())
+                h = want
 
 
 def compressed_agreement(lm: LoadedModel, ids: list[int], backend: str) -> float:
