@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from specgui.compress import BACKENDS, compressed_copy
+from specgui.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.kvcache import FrozenView
@@ -105,6 +105,17 @@ class _Clock:
         return start.elapsed_time(end) if self.cuda else (end - start) * 1000
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What every spliced forward of one generation shares."""
+
+    runner: Runner
+    compressed: CompressedModel
+    layers: tuple[int, ...]  # the fractal layers, ascending
+    window: int
+    clock: _Clock
+
+
 class Splice:
     """The pre-layer hook of one forward whose rows are [exact rows..., slots...].
 
@@ -112,22 +123,22 @@ class Splice:
     anchor the slots continue. `guesses[k]` holds the slot tokens set at the k-th fractal layer.
     """
 
-    def __init__(self, drafter: Fractal, committed: int, exact: int, anchor_position: int) -> None:
-        self.drafter = drafter
+    def __init__(self, plan: Plan, committed: int, exact: int, anchor_position: int) -> None:
+        self.plan = plan
         self.committed = committed
         self.exact = exact
-        window = drafter.window
-        self.slot_positions = torch.arange(anchor_position + 1, anchor_position + 1 + window)
-        self.all_positions = torch.arange(committed, anchor_position + 1 + window)
+        end = anchor_position + 1 + plan.window
+        self.slot_positions = torch.arange(anchor_position + 1, end)
+        self.all_positions = torch.arange(committed, end)
         self.guesses: list[torch.Tensor] = []
         self.marks: list[tuple[Any, Any]] = []  # (start, end) of each compressed pass
         self.span: list[Any] = []  # marks at the embedding output and after the last sub-layer
 
     def __call__(self, layer: int, h: torch.Tensor, step: Pass) -> torch.Tensor:
-        if layer not in self.drafter.fractal_set:
+        if layer not in self.plan.layers:
             return h
-        clock, comp, runner = self.drafter.clock, self.drafter.compressed, self.drafter.runner
-        start = clock.mark()
+        comp, runner = self.plan.compressed, self.plan.runner
+        start = self.plan.clock.mark()
         # upper: layers >= `layer` hold only the committed prefix so far, so every row of the forward runs
         upper = Pass(runner, self.all_positions, FrozenView(step.cache, self.committed), None)
         x = comp.run(upper, h, range(layer, runner.num_layers))
@@ -136,17 +147,17 @@ class Splice:
         lower = Pass(runner, self.slot_positions, FrozenView(step.cache, self.committed + self.exact), None)
         y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
         self.guesses.append(guesses)
-        self.marks.append((start, clock.mark()))
+        self.marks.append((start, self.plan.clock.mark()))
         return torch.cat([h[:, : self.exact], y.to(h.device)], dim=1)
 
     def observer(self, k: int, h: torch.Tensor) -> None:
         """Marks the forward's start (embedding output) and end (last sub-layer) for the time split."""
-        if k == 0 or k == 2 * self.drafter.runner.num_layers:
-            self.span.append(self.drafter.clock.mark())
+        if k == 0 or k == 2 * self.plan.runner.num_layers:
+            self.span.append(self.plan.clock.mark())
 
     def times(self) -> tuple[float, float]:
         """(compressed ms, target ms) of this forward; call once the device is done with it."""
-        clock = self.drafter.clock
+        clock = self.plan.clock
         compressed = sum(clock.ms(a, b) for a, b in self.marks)
         total = clock.ms(self.span[0], self.span[-1]) if len(self.span) == 2 else 0.0
         return compressed, total - compressed
@@ -198,13 +209,11 @@ class Fractal(Drafter):
 
     def __init__(self, runner: Runner, params: FractalParams, sampling: Sampling) -> None:
         super().__init__(runner, params, sampling)
-        self.fractal_layers = fractal_positions(runner.num_layers, params)
-        self.fractal_set = frozenset(self.fractal_layers)
-        self.window = params.window or len(self.fractal_layers)
+        layers = fractal_positions(runner.num_layers, params)
         # built here, outside decoding time, once per runner; its build time is reported in Prefill
-        self.compressed, built = compressed_copy(runner, params.backend)
-        self.build_ms = self.compressed.build_ms if built else 0.0
-        self.clock = _Clock(runner.device)
+        compressed, built = compressed_copy(runner, params.backend)
+        self.build_ms = compressed.build_ms if built else 0.0
+        self.plan = Plan(runner, compressed, tuple(layers), params.window or len(layers), _Clock(runner.device))
 
     def begin(self, state: DecodeState) -> None:
         self.prefilled = False  # the first observe() follows the prompt forward, not a step
@@ -227,7 +236,8 @@ class Fractal(Drafter):
             tokens, origin = self._draft_forward(state)
             tokens, origin, source = tokens[:depth], origin[:depth], "draft forward"
         self.draft_len = len(tokens)
-        extras = self._slots(state, tokens) if self.params.carry else None
+        # after this step emits the draft and its own token, the next one can draft only if depth is left
+        extras = self._slots(state, tokens) if self.params.carry and depth > len(tokens) + 1 else None
         observer = self.carrying.observer if self.carrying is not None else None
         return Draft(tokens=tokens, extras=extras, observer=observer,
                      info={**self._info(), "origin": origin, "source": source})
@@ -235,7 +245,7 @@ class Fractal(Drafter):
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not self.prefilled:
             self.prefilled = True
-            return {"fractal_layers": self.fractal_layers, "backend": self.compressed.backend,
+            return {"fractal_layers": list(self.plan.layers), "backend": self.plan.compressed.backend,
                     "compress_ms": self.build_ms}
         self.carried, self.carried_origin = [], []
         splice = self.carrying
@@ -243,15 +253,15 @@ class Fractal(Drafter):
             slots = splice.slot_tokens()
             chain = consistent_chain(outcome.token, slots[-1], outcome.extra_logits.argmax(-1).tolist())
             self.carried = chain
-            self.carried_origin = origins(chain, 2, slots, self.fractal_layers, self.runner.num_layers)
+            self.carried_origin = self._origins(chain, 2, slots)
         return self._times()
 
     # -- forwards ---------------------------------------------------------------------------------------
 
     def _draft_forward(self, state: DecodeState) -> tuple[list[int], list[int]]:
         """Own forward over [pending, slots] (the paper's draft phase); the cache is cropped back after."""
-        c, w = state.committed, self.window
-        splice = Splice(self, c, exact=1, anchor_position=c)
+        c, w = state.committed, self.plan.window
+        splice = Splice(self.plan, c, exact=1, anchor_position=c)
         tokens = torch.tensor([state.pending] * (1 + w))  # slots start as copies of the anchor token
         logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice,
                                      observer=splice.observer)
@@ -260,13 +270,13 @@ class Fractal(Drafter):
         best = logits.argmax(-1).tolist()  # [1 + w]: the target's own next token, then each slot's prediction
         slots = splice.slot_tokens()
         tokens = [best[0], *consistent_chain(best[0], slots[-1], best[1:])]
-        return tokens, origins(tokens, 1, slots, self.fractal_layers, self.runner.num_layers)
+        return tokens, self._origins(tokens, 1, slots)
 
     def _slots(self, state: DecodeState, chain: list[int]) -> Extras:
         """The next draft's slots, riding after `chain` in the verify forward."""
-        c, w, n = state.committed, self.window, len(chain)
+        c, w, n = state.committed, self.plan.window, len(chain)
         anchor = chain[-1] if chain else state.pending
-        self.carrying = Splice(self, c, exact=1 + n, anchor_position=c + n)
+        self.carrying = Splice(self.plan, c, exact=1 + n, anchor_position=c + n)
         self.splices.append(self.carrying)
         visibility = torch.ones(w, 1 + n + w, dtype=torch.bool)
         visibility[:, 1 + n :] = torch.ones(w, w, dtype=torch.bool).tril()
@@ -276,7 +286,10 @@ class Fractal(Drafter):
     # -- payload ----------------------------------------------------------------------------------------
 
     def _info(self) -> dict[str, Any]:
-        return {"fractal_layers": self.fractal_layers}
+        return {"fractal_layers": list(self.plan.layers)}
+
+    def _origins(self, tokens: list[int], offset: int, slot_tokens: list[list[int]]) -> list[int]:
+        return origins(tokens, offset, slot_tokens, list(self.plan.layers), self.runner.num_layers)
 
     def _times(self) -> dict[str, Any]:
         if not self.splices:
