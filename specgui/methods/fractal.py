@@ -1,0 +1,307 @@
+"""`fractal`: Fractal-LLM (layer-embedded self-compression), with a KV cache.
+
+The full model's forward carries w *draft slots* after its last known token (the anchor). Before each
+of n *fractal layers* i, a compressed (int8) copy of the model refines the slots in the middle of the
+forward (`Splice`):
+
+  upper  compressed layers i..L-1 + compressed LM head over the forward's rows -> argmax: the anchor's
+         row guesses the token of slot 1, slot j's row the token of slot j + 1
+  lower  re-embed the slot guesses (compressed embedding), run compressed layers 0..i-1 on the slots
+         and replace only the slot rows of the stream; the original layer i then continues.
+
+Every fractal layer fixes one more slot, as a Jacobi iteration would: slot 1's guess is right once the
+anchor's row has been read, slot 2's once slot 1 holds the right token, and so on. At the end of the
+forward the full model's own head reads the slots: slot j predicts the token after it. A slot's
+prediction is a usable draft token only if every slot before it holds the token the chain before it
+predicts (`consistent_chain`); the chain is cut at the first disagreement.
+
+KV cache, beyond the paper (which ran without one): the compressed sub-passes attend to the prefix
+through the original layers' cached keys and values (`FrozenView`: read, never written), which for
+the prefix are exact, and the copies keep `layer_idx`, so layer i's copy reads layer i's cache. The
+upper pass sees only the committed prefix (the forward has not reached layers >= i yet) and so runs
+over *all* the forward's rows; the lower pass sees the prefix plus the forward's exact rows, whose
+keys the forward has already written for layers < i. Slot rows never feed back into exact rows
+(causal order puts them last), so the target's logits for the exact rows are those of a plain forward.
+
+Where the slots ride (`carry`):
+  * carry = false, the paper's schedule: every step runs its own draft forward over [pending, slots]
+    (the pending row's output is the target's own next token b, then the slots' chain), crops it from
+    the cache, and the verify forward checks [b, chain] like any draft: two full forwards a step.
+  * carry = true: the verify forward itself carries the next step's slots after the draft chain (as
+    `Extras`; their keys are dropped afterwards). When the whole chain is accepted and slot 1 guessed
+    the target's bonus token, the slots' chain is the next draft for free; otherwise the next step
+    falls back to its own draft forward. One full forward a step while drafts keep being accepted.
+
+Payloads: "fractal_layers", "origin" (per draft node, the fractal layer from which its slot guess no
+longer changed; num_layers when only the target's final head proposed it), "source" ("carried" or
+"draft forward"), and the time split "compressed_ms" (compressed passes) / "target_ms" (the target's
+own layers in the same forwards) with their per-pass "cost_ratio".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specgui.compress import BACKENDS, CompressedModel, compressed_copy
+from specgui.draft import Draft, Extras, Outcome
+from specgui.errors import SpecGUIError
+from specgui.kvcache import FrozenView
+from specgui.methods.base import DecodeState, Drafter, register
+from specgui.params import param
+from specgui.runner import Pass, Runner
+from specgui.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class FractalParams:
+    num_fractal: int = param(low=0, high=128, help="n: fractal layers, clamped to the model's layer count "
+                             "(0: the paper's L/4)")
+    window: int = param(low=0, high=32, help="w: draft slots refined per forward (0: w = n, the paper's choice)")
+    first: float = param(low=0.0, high=0.99, help="depth of the first fractal layer as a fraction of the "
+                         "model's layers (0: layer 0, as the paper's code); the rest follow at a uniform gap")
+    layers: str = param(help="explicit fractal layer indices, comma-separated (overrides num_fractal and "
+                        "first; for per-model presets); empty: uniform")
+    carry: bool = param(help="the verify forward carries the next draft's slots (else every step runs its "
+                        "own draft forward, as in the paper)")
+    backend: str = param(choices=BACKENDS, help="compressed copy: auto = bnb-int8 on CUDA, torch-int8 on CPU; "
+                         "torch-fp16 is a non-int8 comparison")
+
+
+def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
+    """The fractal layers: explicit indices, or n layers from `first` at a uniform gap."""
+    if params.layers.strip():
+        try:
+            chosen = sorted({int(x) for x in params.layers.split(",") if x.strip()})
+        except ValueError:
+            raise SpecGUIError(f"fractal layers must be comma-separated integers, got {params.layers!r}") from None
+        if not chosen or chosen[0] < 0 or chosen[-1] >= num_layers:
+            raise SpecGUIError(f"fractal layers {params.layers!r} must lie in 0..{num_layers - 1}")
+        return chosen
+    start = min(int(params.first * num_layers), num_layers - 1)
+    n = min(params.num_fractal or max(1, num_layers // 4), num_layers - start)
+    gap = (num_layers - start) / n
+    return [start + int(k * gap) for k in range(n)]
+
+
+class _Clock:
+    """Time marks inside a forward that do not stall the device (CUDA events there, perf_counter here)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two marks (on CUDA only once the device has passed both)."""
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1000
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every spliced forward of one generation shares."""
+
+    runner: Runner
+    compressed: CompressedModel
+    layers: tuple[int, ...]  # the fractal layers, ascending
+    window: int
+    clock: _Clock
+
+
+class Splice:
+    """The pre-layer hook of one forward whose rows are [exact rows..., slots...].
+
+    `exact` rows (the pending token and any draft chain) are never modified; the last of them is the
+    anchor the slots continue. `guesses[k]` holds the slot tokens set at the k-th fractal layer.
+    """
+
+    def __init__(self, plan: Plan, committed: int, exact: int, anchor_position: int) -> None:
+        self.plan = plan
+        self.committed = committed
+        self.exact = exact
+        end = anchor_position + 1 + plan.window
+        self.slot_positions = torch.arange(anchor_position + 1, end)
+        self.all_positions = torch.arange(committed, end)
+        self.guesses: list[torch.Tensor] = []
+        self.marks: list[tuple[Any, Any]] = []  # (start, end) of each compressed pass
+        self.span: list[Any] = []  # marks at the embedding output and after the last sub-layer
+
+    def __call__(self, layer: int, h: torch.Tensor, step: Pass) -> torch.Tensor:
+        if layer not in self.plan.layers:
+            return h
+        comp, runner = self.plan.compressed, self.plan.runner
+        start = self.plan.clock.mark()
+        # upper: layers >= `layer` hold only the committed prefix so far, so every row of the forward runs
+        upper = Pass(runner, self.all_positions, FrozenView(step.cache, self.committed), None)
+        x = comp.run(upper, h, range(layer, runner.num_layers))
+        guesses = comp.logits(x[0, self.exact - 1 : -1]).argmax(-1)  # [w]: anchor and slots 1..w-1 predict
+        # lower: layers < `layer` already hold the prefix and this forward's exact rows
+        lower = Pass(runner, self.slot_positions, FrozenView(step.cache, self.committed + self.exact), None)
+        y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
+        self.guesses.append(guesses)
+        self.marks.append((start, self.plan.clock.mark()))
+        return torch.cat([h[:, : self.exact], y.to(h.device)], dim=1)
+
+    def observer(self, k: int, h: torch.Tensor) -> None:
+        """Marks the forward's start (embedding output) and end (last sub-layer) for the time split."""
+        if k == 0 or k == 2 * self.plan.runner.num_layers:
+            self.span.append(self.plan.clock.mark())
+
+    def times(self) -> tuple[float, float]:
+        """(compressed ms, target ms) of this forward; call once the device is done with it."""
+        clock = self.plan.clock
+        compressed = sum(clock.ms(a, b) for a, b in self.marks)
+        total = clock.ms(self.span[0], self.span[-1]) if len(self.span) == 2 else 0.0
+        return compressed, total - compressed
+
+    def slot_tokens(self) -> list[list[int]]:
+        return [g.tolist() for g in self.guesses]
+
+
+def consistent_chain(bonus: int, slot_tokens: list[int], predictions: list[int]) -> list[int]:
+    """Draft tokens after `bonus` from the slots' final predictions, cut where a slot disagrees.
+
+    Slot j held `slot_tokens[j]` and predicted `predictions[j]` for the position after it. Slot 0 must
+    hold `bonus` (the token the anchor's row produced), slot j + 1 the prediction of slot j.
+    """
+    chain: list[int] = []
+    expected = bonus
+    for held, predicted in zip(slot_tokens, predictions):
+        if held != expected:
+            break
+        chain.append(predicted)
+        expected = predicted
+    return chain
+
+
+def origins(tokens: list[int], offset: int, slot_tokens: list[list[int]], layers: list[int], final: int) -> list[int]:
+    """Per draft token, the fractal layer from which its slot's guess stayed that token.
+
+    Token t sits `offset + t` positions after the anchor, i.e. in slot `offset + t - 1`; tokens beyond
+    the slots or that no fractal layer settled on came from the target's final head (`final`).
+    """
+    out = []
+    for t, token in enumerate(tokens):
+        slot = offset + t - 1
+        origin = final
+        for layer, guesses in reversed(list(zip(layers, slot_tokens))):
+            if slot >= len(guesses) or guesses[slot] != token:
+                break
+            origin = layer
+        out.append(origin)
+    return out
+
+
+@register
+class Fractal(Drafter):
+    name = "fractal"
+    title = "Fractal"
+    summary = "Int8 copies of the model spliced in before n layers refine w draft slots mid-forward."
+    Params = FractalParams
+
+    def __init__(self, runner: Runner, params: FractalParams, sampling: Sampling) -> None:
+        super().__init__(runner, params, sampling)
+        layers = fractal_positions(runner.num_layers, params)
+        # built here, outside decoding time, once per runner; its build time is reported in Prefill
+        compressed, built = compressed_copy(runner, params.backend)
+        self.build_ms = compressed.build_ms if built else 0.0
+        self.plan = Plan(runner, compressed, tuple(layers), params.window or len(layers), _Clock(runner.device))
+
+    def begin(self, state: DecodeState) -> None:
+        self.prefilled = False  # the first observe() follows the prompt forward, not a step
+        self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
+        self.carried_origin: list[int] = []
+        self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
+        self.carrying: Splice | None = None
+        self.draft_len = 0
+
+    def draft(self, state: DecodeState) -> Draft:
+        self.splices = []
+        self.carrying = None
+        depth = state.max_depth
+        if depth == 0:
+            self.draft_len = 0
+            return Draft(info={**self._info(), "origin": []})
+        if self.carried:
+            tokens, origin, source = self.carried[:depth], self.carried_origin[:depth], "carried"
+        else:
+            tokens, origin = self._draft_forward(state)
+            tokens, origin, source = tokens[:depth], origin[:depth], "draft forward"
+        self.draft_len = len(tokens)
+        # after this step emits the draft and its own token, the next one can draft only if depth is left
+        extras = self._slots(state, tokens) if self.params.carry and depth > len(tokens) + 1 else None
+        observer = self.carrying.observer if self.carrying is not None else None
+        return Draft(tokens=tokens, extras=extras, observer=observer,
+                     info={**self._info(), "origin": origin, "source": source})
+
+    def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if not self.prefilled:
+            self.prefilled = True
+            return {"fractal_layers": list(self.plan.layers), "backend": self.plan.compressed.backend,
+                    "compress_ms": self.build_ms}
+        self.carried, self.carried_origin = [], []
+        splice = self.carrying
+        if splice is not None and outcome.accepted == self.draft_len and outcome.extra_logits is not None:
+            slots = splice.slot_tokens()
+            chain = consistent_chain(outcome.token, slots[-1], outcome.extra_logits.argmax(-1).tolist())
+            self.carried = chain
+            self.carried_origin = self._origins(chain, 2, slots)
+        return self._times()
+
+    # -- forwards ---------------------------------------------------------------------------------------
+
+    def _draft_forward(self, state: DecodeState) -> tuple[list[int], list[int]]:
+        """Own forward over [pending, slots] (the paper's draft phase); the cache is cropped back after."""
+        c, w = state.committed, self.plan.window
+        splice = Splice(self.plan, c, exact=1, anchor_position=c)
+        tokens = torch.tensor([state.pending] * (1 + w))  # slots start as copies of the anchor token
+        logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice,
+                                     observer=splice.observer)
+        state.cache.crop(c)
+        self.splices.append(splice)
+        best = logits.argmax(-1).tolist()  # [1 + w]: the target's own next token, then each slot's prediction
+        slots = splice.slot_tokens()
+        tokens = [best[0], *consistent_chain(best[0], slots[-1], best[1:])]
+        return tokens, self._origins(tokens, 1, slots)
+
+    def _slots(self, state: DecodeState, chain: list[int]) -> Extras:
+        """The next draft's slots, riding after `chain` in the verify forward."""
+        c, w, n = state.committed, self.plan.window, len(chain)
+        anchor = chain[-1] if chain else state.pending
+        self.carrying = Splice(self.plan, c, exact=1 + n, anchor_position=c + n)
+        self.splices.append(self.carrying)
+        visibility = torch.ones(w, 1 + n + w, dtype=torch.bool)
+        visibility[:, 1 + n :] = torch.ones(w, w, dtype=torch.bool).tril()
+        return Extras(tokens=[anchor] * w, positions=list(range(c + n + 1, c + n + 1 + w)), visibility=visibility,
+                      pre_layer=self.carrying)
+
+    # -- payload ----------------------------------------------------------------------------------------
+
+    def _info(self) -> dict[str, Any]:
+        return {"fractal_layers": list(self.plan.layers)}
+
+    def _origins(self, tokens: list[int], offset: int, slot_tokens: list[list[int]]) -> list[int]:
+        return origins(tokens, offset, slot_tokens, list(self.plan.layers), self.runner.num_layers)
+
+    def _times(self) -> dict[str, Any]:
+        if not self.splices:
+            return {}
+        compressed = target = 0.0
+        passes = 0
+        for splice in self.splices:
+            c, t = splice.times()
+            compressed += c
+            target += t
+            passes += len(splice.marks)
+        figures: dict[str, Any] = {"compressed_ms": compressed, "target_ms": target}
+        if passes and target > 0:
+            figures["cost_ratio"] = (compressed / passes) / (target / len(self.splices))
+        return figures

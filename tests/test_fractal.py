@@ -1,0 +1,259 @@
+"""Fractal: layer placement, the slot chain rules, the splice's exactness, the compressed copy's quality
+and cost, payloads, and the bitsandbytes path (on CPU here; on CUDA where a GPU exists).
+
+Losslessness with the presets is covered for every method by tests/test_lossless.py; here the same
+checks run with the settings the presets do not use (separate draft forwards, w != n, explicit layers).
+"""
+
+import dataclasses
+import statistics
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers import CharTokenizer, assert_greedy_identical, assert_sampling_lossless, tiny_model
+from specgui import decode, methods
+from specgui.compress import CompressedLayer, compressed_copy
+from specgui.errors import SpecGUIError
+from specgui.events import Prefill
+from specgui.kvcache import FrozenView, KVCache
+from specgui.loading import LoadedModel, ModelSpec
+from specgui.methods.base import DecodeState
+from specgui.methods.fractal import Splice, consistent_chain, fractal_positions, origins
+from specgui.runner import ATTN, MLP, Pass, Runner
+from specgui.sampling import GREEDY
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
+
+
+def fractal_params(**overrides):
+    return methods.params_for("fractal", "tiny", "cpu", overrides)
+
+
+# -- placement and chain rules --------------------------------------------------------------------------
+
+
+def test_positions_default_to_the_papers_quarter_at_a_uniform_gap():
+    assert fractal_positions(28, fractal_params(num_fractal=0, layers="")) == [0, 4, 8, 12, 16, 20, 24]
+    assert fractal_positions(30, fractal_params(num_fractal=3, first=0.5, layers="")) == [15, 20, 25]
+    assert fractal_positions(4, fractal_params(num_fractal=9, first=0.0, layers="")) == [0, 1, 2, 3]  # clamped
+    assert fractal_positions(30, fractal_params(layers="12, 3,3")) == [3, 12]
+
+
+@pytest.mark.parametrize("layers", ["4", "-1", "a,b", ","])
+def test_explicit_positions_outside_the_model_are_refused(layers):
+    with pytest.raises(SpecGUIError):
+        fractal_positions(4, fractal_params(layers=layers))
+
+
+def test_chain_keeps_slot_predictions_while_slots_hold_what_the_chain_predicts():
+    # slot 0 holds the bonus 5, slot 1 holds 6 = slot 0's prediction, slot 2 holds 0 != slot 1's 7
+    assert consistent_chain(5, [5, 6, 0, 8], [6, 7, 8, 9]) == [6, 7]
+    assert consistent_chain(5, [4, 6], [6, 7]) == []  # slot 0 guessed another token: nothing follows
+    assert consistent_chain(5, [5, 6], [6, 7]) == [6, 7]
+
+
+def test_origin_is_the_fractal_layer_from_which_a_slot_guess_stopped_changing():
+    guesses = [[5, 1, 1], [5, 6, 2], [5, 6, 7]]  # slot guesses at fractal layers 0, 10, 20
+    # draft [5, 6, 7, 8] starts in slot 0; 8 lies beyond the slots: only the final head proposed it
+    assert origins([5, 6, 7, 8], 1, guesses, [0, 10, 20], 30) == [0, 10, 20, 30]
+    # a carried chain starts one slot later; 9 was never a slot guess
+    assert origins([6, 9], 2, guesses, [0, 10, 20], 30) == [10, 30]
+
+
+# -- the splice -----------------------------------------------------------------------------------------
+
+
+def test_splice_changes_only_slot_rows_and_leaves_the_cache_as_found(tiny_lm):
+    """Exact rows of a spliced forward equal those of a plain forward over the same tokens."""
+    runner = tiny_lm.runner
+    drafter = methods.create("fractal", runner, "tiny", GREEDY, {"num_fractal": 2, "window": 3})
+    prompt = torch.tensor(PROMPTS[0])
+    block = torch.tensor([9, 10, 11, 12, 12, 12])  # 3 exact rows, then 3 slots (copies of the anchor)
+    c = len(prompt)
+    with torch.inference_mode():
+        cache = KVCache()
+        runner.forward(prompt, torch.arange(c), cache)
+        plain = runner.forward(block, torch.arange(c, c + 6), FrozenView(cache, c))
+        splice = Splice(drafter.plan, c, exact=3, anchor_position=c + 2)
+        spliced = runner.forward(block, torch.arange(c, c + 6), cache, pre_layer=splice)
+    assert torch.allclose(spliced[:3], plain[:3], atol=1e-6)
+    assert not torch.allclose(spliced[3:], plain[3:], atol=1e-3)  # the slots did change
+    assert len(splice.slot_tokens()) == 2 and all(len(g) == 3 for g in splice.slot_tokens())
+    assert all(cache.get_seq_length(i) == c + 6 for i in range(runner.num_layers))  # only the main stream wrote
+
+
+def test_draft_forward_leaves_the_cache_holding_the_committed_prefix(tiny_lm):
+    runner = tiny_lm.runner
+    drafter = methods.create("fractal", runner, "tiny", GREEDY, {"carry": False, "num_fractal": 2, "window": 2})
+    state = DecodeState(runner, KVCache(), [*PROMPTS[1], 3], len(PROMPTS[1]), GREEDY, None, max_new_tokens=20)
+    with torch.inference_mode():
+        runner.forward(torch.tensor(PROMPTS[1]), torch.arange(state.committed), state.cache)
+        drafter.begin(state)
+        draft = drafter.draft(state)
+    assert [state.cache.get_seq_length(i) for i in range(runner.num_layers)] == [state.committed] * runner.num_layers
+    assert 1 <= len(draft) <= 3 and draft.extras is None
+    assert len(draft.info["origin"]) == len(draft) and draft.info["source"] == "draft forward"
+
+
+# -- losslessness beyond the presets --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    {"carry": False, "num_fractal": 2, "window": 2},
+    {"carry": True, "num_fractal": 1, "window": 4},
+    {"carry": True, "layers": "1,3", "window": 2},
+    {"carry": False, "num_fractal": 3, "window": 1, "first": 0.5},
+])
+def test_greedy_identical_with_other_schedules(tiny_lm, params):
+    assert_greedy_identical(tiny_lm, "fractal", PROMPTS, max_new_tokens=40, params=params)
+
+
+def test_sampling_with_separate_draft_forwards_keeps_target_distribution():
+    lm = tiny_model(vocab=12, layers=3, hidden=32, init=0.5, seed=1)
+    prompt = [5, 3, 8, 1, 0, 11, 7, 2, 9, 4, 6, 10, 5, 3, 8, 1]
+    assert_sampling_lossless(lm, "fractal", prompt, runs=1500, params={"carry": False, "num_fractal": 2, "window": 2})
+
+
+# -- payloads -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_payload_names_layers_origins_and_the_time_split(tiny_lm, carry):
+    params = {"carry": carry, "num_fractal": 2, "window": 2}
+    result = decode.run(tiny_lm, PROMPTS[0], "fractal", max_new_tokens=30, params=params)
+    prefill = next(e for e in result.events if isinstance(e, Prefill))
+    assert prefill.payload["fractal_layers"] == [0, 2]
+    assert prefill.payload["backend"] == "torch-int8"
+    sources = set()
+    for step in result.steps:
+        payload = step.payload
+        assert payload["fractal_layers"] == [0, 2]
+        assert len(payload["origin"]) == step.drafted
+        assert set(payload["origin"]) <= {0, 2, tiny_lm.runner.num_layers}
+        if step.drafted:
+            sources.add(payload["source"])
+        spliced = payload.get("source") == "draft forward" or step.forward_tokens > 1 + step.drafted  # slots rode
+        assert spliced == ("cost_ratio" in payload)
+        if spliced:
+            assert payload["compressed_ms"] > 0 and payload["target_ms"] > 0 and payload["cost_ratio"] > 0
+    assert sources == ({"carried", "draft forward"} if carry else {"draft forward"})
+
+
+# -- the compressed copy --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_compressed_layer_computes_what_the_original_does(arch, attn):
+    """With uncompressed linears the fused copy equals the transformers layer, sub-layer by sub-layer."""
+    lm = tiny_model(arch=arch, attn=attn, seed=2)
+    runner = lm.runner
+    copies = [CompressedLayer(layer, make=lambda linear: linear) for layer in runner.layers]
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    with torch.inference_mode():
+        cache = KVCache()
+        runner.forward(ids[:6], torch.arange(6), cache)
+        step = Pass(runner, torch.arange(6, 10), FrozenView(cache, 6), None)
+        h = runner.embed(ids[6:].view(1, -1))
+        for layer in range(runner.num_layers):
+            for kind in (ATTN, MLP):
+                want = step.run_unit(h, layer, kind)
+                got = step.run_unit(h, layer, kind, module=copies[layer])
+                assert torch.allclose(got, want, atol=1e-5), (arch, layer, kind, (got - want).abs().max())
+                h = want
+
+
+def compressed_agreement(lm: LoadedModel, ids: list[int], backend: str) -> float:
+    """Top-1 agreement of the compressed model with the full model, one position at a time."""
+    runner = lm.runner
+    comp, _ = compressed_copy(runner, backend)
+    ids_t = torch.tensor(ids)
+    with torch.inference_mode():
+        cache = KVCache()
+        full = runner.forward(ids_t, torch.arange(len(ids)), cache).argmax(-1)
+        agree = []
+        for pos in range(len(ids) // 2, len(ids)):
+            step = Pass(runner, torch.tensor([pos]), FrozenView(cache, pos), None)
+            h = comp.run(step, comp.embed(ids_t[pos : pos + 1].view(1, 1)), range(runner.num_layers))
+            agree.append(int(comp.logits(h[0]).argmax(-1)) == int(full[pos]))
+    return sum(agree) / len(agree)
+
+
+def test_int8_copy_agrees_with_the_full_model(embedded_lm, suite_sample):
+    """torch's dynamic int8 with full-range activations: 93% top-1 agreement measured (89% with 7-bit)."""
+    ids = suite_sample[0][:160]
+    assert compressed_agreement(embedded_lm, ids, "torch-int8") >= 0.85
+
+
+def test_compressed_passes_are_cheaper_than_the_full_stack_on_cpu(embedded_lm, suite_sample):
+    """The reason the copy exists: one compressed pass (all layers + LM head) vs the target's layers."""
+    result = decode.run(embedded_lm, suite_sample[1], "fractal", max_new_tokens=32)
+    ratios = [s.payload["cost_ratio"] for s in result.steps if "cost_ratio" in s.payload]
+    assert len(ratios) >= 5 and statistics.median(ratios) < 0.8, ratios
+
+
+def test_carried_slots_supply_most_drafts_on_the_embedded_model(embedded_lm, suite_sample):
+    result = decode.run(embedded_lm, suite_sample[2], "fractal", max_new_tokens=32,
+                        params={"carry": True, "num_fractal": 2, "window": 2})
+    sources = [s.payload.get("source") for s in result.steps if s.drafted]
+    assert sources.count("carried") > len(sources) / 2, sources
+
+
+def test_bitsandbytes_int8_path_is_lossless_on_cpu(tiny_lm):
+    """The CUDA backend's code path; bitsandbytes also runs it on CPU (slowly), so it is checked here too."""
+    pytest.importorskip("bitsandbytes")
+    assert_greedy_identical(tiny_lm, "fractal", PROMPTS[:2], max_new_tokens=30,
+                            params={"backend": "bnb-int8", "num_fractal": 2, "window": 2})
+
+
+# -- CUDA -----------------------------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="no CUDA GPU here: the bitsandbytes int8 path is measured on a GPU machine")
+
+
+def cuda_model(config: LlamaConfig, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    """A random Llama built directly on the GPU."""
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.set_attn_implementation("sdpa")
+    return LoadedModel(spec=ModelSpec(name="cuda-llama"), name="cuda-llama", model=model,
+                       tokenizer=CharTokenizer(config.vocab_size), runner=Runner(model), stop_ids=frozenset(),
+                       max_context=config.max_position_embeddings, load_s=0.0, source="in-process")
+
+
+@requires_cuda
+def test_bnb_int8_on_cuda_is_lossless(tiny_lm):
+    pytest.importorskip("bitsandbytes")
+    model = tiny_lm.model.__class__(tiny_lm.model.config).cuda().eval()
+    model.load_state_dict(tiny_lm.model.state_dict())
+    lm = dataclasses.replace(tiny_lm, model=model, runner=Runner(model))
+    for carry in (True, False):
+        assert_greedy_identical(lm, "fractal", PROMPTS, max_new_tokens=40,
+                                params={"backend": "bnb-int8", "carry": carry, "num_fractal": 2, "window": 2})
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", ["1B", "8B"])
+def test_bnb_int8_cost_ratio_on_cuda(shape, capsys):
+    """Cost ratio, tau and speedup of Fractal on random models with Llama-3.2-1B / Llama-3-8B shapes (fp16)."""
+    pytest.importorskip("bitsandbytes")
+    dims = {"1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+            "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)}
+    config = LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         **dims[shape])
+    lm = cuda_model(config, torch.float16)
+    prompt = torch.randint(0, config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    decode.run(lm, prompt[:32], "fractal", max_new_tokens=8)  # builds the int8 copy, warms up kernels
+    base = decode.run(lm, prompt, "baseline", max_new_tokens=64)
+    got = decode.run(lm, prompt, "fractal", max_new_tokens=64)
+    ratios = [s.payload["cost_ratio"] for s in got.steps if "cost_ratio" in s.payload]
+    with capsys.disabled():
+        print(f"\n{shape} fp16 on {torch.cuda.get_device_name()}: cost ratio (median) {statistics.median(ratios):.2f}, "
+              f"tau {got.summary.tau:.2f}, speedup {got.summary.tokens_per_s / base.summary.tokens_per_s:.2f}x, "
+              f"identical {got.token_ids == base.token_ids}")
+    assert ratios and all(r > 0 for r in ratios)
