@@ -1,61 +1,25 @@
-"""SpecGUI app entry point: `python app.py` serves the page on http://127.0.0.1:7860.
+"""SpecGUI app entry point: `python app.py` serves the page on http://127.0.0.1:7860 (Hugging Face Spaces too).
 
-Minimal page until the full visualisation lands: pick a method, type a prompt, watch tokens stream.
+The page lives in `specgui/ui/`; this file only loads the default model up front (so the first visitor
+does not wait for it) and launches with the page's theme and stylesheet. Set GRADIO_SERVER_NAME /
+GRADIO_SERVER_PORT to change where it listens.
 """
 
 from __future__ import annotations
 
-import gradio as gr
-
-from specgui import decode, methods
 from specgui.errors import SpecGUIError
-from specgui.events import Prefill, Step, Summary
-from specgui.loading import load
-from specgui.text import encode_prompt
-
-LM = None
+from specgui.loading import EMBEDDED
+from specgui.ui.page import App, launch_options
 
 
-def model():
-    global LM
-    if LM is None:
-        LM = load()
-    return LM
-
-
-def run(prompt: str, method: str, max_new_tokens: float):
+def main() -> None:
+    app = App()
     try:
-        lm = model()
-        ids = encode_prompt(lm.tokenizer, prompt)
-        text = ""
-        for event in decode.generate(lm, ids, method, max_new_tokens=int(max_new_tokens), prompt_text=prompt):
-            if isinstance(event, Prefill):
-                text += event.piece
-            elif isinstance(event, Step):
-                text += "".join(event.emitted_pieces)
-            elif isinstance(event, Summary):
-                yield event.text, (f"{event.new_tokens} tokens, {event.tokens_per_s:.1f} tok/s, "
-                                   f"tau {event.tau:.2f}, stop: {event.stop}")
-                return
-            yield text, ""
-    except SpecGUIError as exc:
-        yield "", f"error: {exc}"
-
-
-def build() -> gr.Blocks:
-    with gr.Blocks(title="SpecGUI") as demo:
-        gr.Markdown("# SpecGUI\nSelf-speculative decoding, step by step.")
-        prompt = gr.Textbox(label="Prompt", value="Write a haiku about speculative decoding.")
-        with gr.Row():
-            method = gr.Dropdown(methods.names(), value="pld", label="Method")
-            max_new = gr.Slider(1, 512, value=128, step=1, label="Max new tokens")
-        go = gr.Button("Run", variant="primary")
-        output = gr.Textbox(label="Output", lines=8)
-        summary = gr.Markdown()
-        go.click(run, [prompt, method, max_new], [output, summary], api_name="generate")
-    return demo
+        app.store.get(EMBEDDED)
+    except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
+        print(f"warning: {exc}")
+    app.build().queue(default_concurrency_limit=1).launch(**launch_options())
 
 
 if __name__ == "__main__":
-    model()
-    build().queue().launch()
+    main()

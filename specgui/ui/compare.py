@@ -1,0 +1,73 @@
+"""The Compare tab: the built-in suite (or one category) across chosen methods, via `specgui.bench`.
+
+The numbers are exactly the CLI's `bench` (same warm-up, rotation and medians), so the tab and the
+README's tables agree. Stop works through bench's progress callback: it raises `Stopped` between runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from specgui import bench
+from specgui.errors import SpecGUIError
+from specgui.loading import LoadedModel
+from specgui.prompts import PromptRow
+from specgui.sampling import Sampling
+
+ALL = "all categories"
+COLUMNS = ["method", "category", "tok/s", "speedup", "tau", "acceptance", "identical"]
+
+
+class Stopped(Exception):
+    """Raised from the progress callback when the user pressed Stop."""
+
+
+def pick_rows(rows: list[PromptRow], category: str, per_category: int) -> list[PromptRow]:
+    """The first `per_category` prompts of each category (or of the chosen one)."""
+    if per_category < 1:
+        raise SpecGUIError(f"prompts per category must be at least 1, got {per_category}")
+    kept: dict[str, int] = {}
+    out = []
+    for row in rows:
+        if category not in (ALL, row.category):
+            continue
+        kept[row.category] = kept.get(row.category, 0) + 1
+        if kept[row.category] <= per_category:
+            out.append(row)
+    if not out:
+        raise SpecGUIError(f"no prompts in category {category!r}")
+    return out
+
+
+def run_suite(lm: LoadedModel, rows: list[PromptRow], names: list[str], *, max_new_tokens: int, repeats: int,
+              sampling: Sampling, progress: Callable[[int, int], None], stop: threading.Event) -> dict[str, Any]:
+    """Bench `names` (baseline added) on `rows`; `progress(done, total)` after every run."""
+    chosen = bench.check_methods(names)
+    total = len(rows) * len(chosen) * repeats
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(done, total)
+        if stop.is_set():
+            raise Stopped
+
+    return bench.bench(lm, rows, chosen, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling,
+                       progress=step)
+
+
+def table(report: dict[str, Any]) -> list[list[Any]]:
+    """One row per (method, category), then the overall row of each method."""
+
+    def row(name: str, category: str, agg: dict[str, Any]) -> list[Any]:
+        tau = round(agg["mean_accepted"], 2) if agg["mean_accepted"] is not None else None
+        acceptance = f"{agg['acceptance_rate']:.0%}" if agg["acceptance_rate"] is not None else "-"
+        identical = f"{agg['identical']}/{agg['total']}" if agg["identical"] is not None else "n/a"
+        return [name, category, round(agg["tokens_per_s"], 2), round(agg["speedup"], 2), tau, acceptance, identical]
+
+    rows = [row(name, cat, per[name]) for cat, per in report["categories"].items() for name in per]
+    rows += [row(name, "overall", agg) for name, agg in report["methods"].items()]
+    return rows

@@ -1,0 +1,240 @@
+"""Views -> HTML for the page's `gr.HTML` components.
+
+`gr.HTML` is not sanitised, and everything shown here comes from a model, a user or a trace file, so
+every string passes through `esc` on its way in; numbers are formatted, never interpolated raw. Colours
+live in `assets/app.css` as classes (`sg-accepted`, ...) with light and dark variants, so the markup
+carries meaning and the stylesheet carries looks.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+from specgui.ui.view import (
+    ACCEPTED,
+    BONUS,
+    CORRECTION,
+    KIND_HELP,
+    REJECTED,
+    Comparison,
+    Internals,
+    RunView,
+    TokenText,
+    node_verdicts,
+)
+
+TINTS = 8  # fractal-layer tints defined in app.css (sg-o0 .. sg-o7)
+MAX_TREE_NODES = 96  # larger drafts are summarised in the inspector
+PHASES = ("draft", "verify", "overhead")
+
+
+def esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def status(message: str, kind: str = "info") -> str:
+    """One line above the panes: what the app is doing, or what went wrong ("info", "busy", "error")."""
+    return f'<div class="sg-status sg-status-{esc(kind)}">{esc(message)}</div>'
+
+
+def legend(fractal_layers: list[int] | tuple[int, ...] = ()) -> str:
+    """The colour key for token kinds (and fractal tints when a run has them)."""
+    chips = [f'<span class="sg-tok sg-{kind}" title="{esc(KIND_HELP[kind])}">{esc(label)}</span>'
+             for kind, label in ((ACCEPTED, "accepted draft"), (BONUS, "verifier: bonus"),
+                                 (CORRECTION, "verifier: correction"), (REJECTED, "rejected draft"))]
+    chips += [f'<span class="sg-tok sg-origin {_tint(layer, fractal_layers)}">drafted at layer {layer}</span>'
+              for layer in fractal_layers]
+    return f'<div class="sg-legend">{"".join(chips)}</div>'
+
+
+def _tint(layer: int | None, layers: list[int] | tuple[int, ...]) -> str:
+    if layer is None or layer not in layers:
+        return ""
+    return f"sg-tinted sg-o{list(layers).index(layer) % TINTS}"
+
+
+def _token(text: str, classes: str, title: str) -> str:
+    return f'<span class="sg-tok {classes}" title="{esc(title)}">{esc(text)}</span>'
+
+
+def tokens(view: RunView, *, plain: bool = False) -> str:
+    """The streamed output. `plain` (baseline's pane) shows text only; otherwise every token is coloured."""
+    if plain:
+        return f'<div class="sg-tokens sg-plain">{esc("".join(view.pieces))}</div>'
+    parts = []
+    for mark in view.marks:
+        where = "prompt forward" if mark.step == 0 else f"step {mark.step}"
+        origin = f", drafted at fractal layer {mark.origin}" if mark.origin is not None else ""
+        classes = f"sg-{mark.kind} {_tint(mark.origin, view.fractal_layers)}".strip()
+        parts.append(_token(mark.text, classes, f"{where}: {KIND_HELP[mark.kind]}{origin}"))
+    return f'<div class="sg-tokens">{"".join(parts)}</div>'
+
+
+def _clock(stamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(stamp))
+
+
+def pane_stats(view: RunView, *, running: bool) -> str:
+    """Tokens, decoding time and tokens/s so far (the core's clock: rendering is not counted)."""
+    if view.start is None:
+        return '<div class="sg-stats">waiting</div>'
+    state = "running" if running and not view.done else (f"stop: {view.summary.stop}" if view.done else "")
+    cached = (f' <span class="sg-badge sg-cached">reused from cache, recorded {_clock(view.cached_at)}</span>'
+              if view.cached_at is not None else "")
+    return (f'<div class="sg-stats"><b>{view.new_tokens}</b> tokens · <b>{view.seconds:.2f}</b> s · '
+            f'<b>{view.tokens_per_s:.1f}</b> tok/s · {esc(state)}{cached}</div>')
+
+
+def pane_title(view: RunView, fallback: str) -> str:
+    if view.start is None:
+        return f'<div class="sg-pane-title">{esc(fallback)}</div>'
+    params = ", ".join(f"{k}={v}" for k, v in view.start.params.items())
+    return (f'<div class="sg-pane-title">{esc(view.start.method)}'
+            f'<span class="sg-params">{esc(params)}</span></div>')
+
+
+def layer_strip(num_layers: int, internals: Internals) -> str:
+    """One cell per decoder sub-layer (attention and MLP rows); skipped cells and fractal insertions marked."""
+    if num_layers <= 0:
+        return ""
+    rows = []
+    for kind, label, skipped in (("attn", "attention", internals.skip_attn), ("mlp", "MLP", internals.skip_mlp)):
+        cells = []
+        for layer in range(num_layers):
+            skip = layer in skipped
+            note = f", prompt attention similarity {internals.acs[layer]:.3f}" if (
+                kind == "attn" and layer < len(internals.acs)) else ""
+            fractal = _tint(layer, internals.fractal_layers)
+            cells.append(f'<span class="sg-cell {"sg-skip" if skip else "sg-ran"} {fractal}" '
+                         f'title="layer {layer} {label}: {"skipped by the draft" if skip else "ran"}{esc(note)}">'
+                         f'</span>')
+        rows.append(f'<span class="sg-strip-label">{kind}</span>{"".join(cells)}')
+    if internals.fractal_layers:
+        marks = "".join(
+            f'<span class="sg-insert {_tint(layer, internals.fractal_layers)}" '
+            f'title="compressed pass spliced in before layer {layer}">◆</span>'
+            if layer in internals.fractal_layers else "<span></span>"
+            for layer in range(num_layers))
+        rows.insert(0, f'<span class="sg-strip-label">fractal</span>{marks}')
+    axis = "".join(f"<span>{layer if layer % 5 == 0 else ''}</span>" for layer in range(num_layers))
+    rows.append(f'<span class="sg-strip-label">layer</span>{axis}')
+    skipped = len(internals.skip_attn) + len(internals.skip_mlp)
+    caption = (f"draft skipped {skipped} of {2 * num_layers} sub-layers" if internals.has_skip
+               else f"{num_layers} layers, nothing skipped")
+    if internals.reoptimized:
+        score = f" (DP score {internals.dp_score:.3f})" if internals.dp_score is not None else ""
+        caption += f' · <span class="sg-badge sg-reopt">skip set re-optimised this step{esc(score)}</span>'
+    return (f'<div class="sg-strip-wrap"><div class="sg-strip-caption">{caption}</div>'
+            f'<div class="sg-strip" style="--layers: {num_layers}">{"".join(rows)}</div></div>')
+
+
+def _ids_text(ids: tuple[int, ...], token_text: TokenText | None) -> str:
+    if token_text is None:
+        return " ".join(f"#{t}" for t in ids)
+    return "".join(token_text(t) for t in ids)
+
+
+def _draft_tree(view: RunView, index: int, internals: Internals) -> str:
+    step = view.steps[index]
+    nodes = node_verdicts(step, internals.origin)
+    chain = list(step.draft_parents) == list(range(-1, step.drafted - 1))
+    chips = []
+    for n in nodes[:MAX_TREE_NODES]:
+        conf = (f" · confidence {internals.confidences[n.node]:.2f}"
+                if n.node < len(internals.confidences) else "")
+        origin = f" · fractal layer {n.origin}" if n.origin is not None else ""
+        classes = f"sg-{n.verdict} {_tint(n.origin, view.fractal_layers)}"
+        chip = _token(n.text, classes, f"node {n.node}: {n.verdict}{origin}{conf}")
+        chips.append(chip if chain else f'<div class="sg-node" style="--depth: {n.depth}">{chip}</div>')
+    if len(nodes) > MAX_TREE_NODES:
+        chips.append(f'<span class="sg-more">… {len(nodes) - MAX_TREE_NODES} more nodes</span>')
+    if not nodes:
+        chips.append('<span class="sg-muted">no draft this step </span>')
+    if len(step.emitted) > step.accepted:
+        kind = CORRECTION if step.corrected else BONUS
+        chips.append(_token(step.emitted_pieces[-1], f"sg-{kind}", KIND_HELP[kind]))
+    return f'<div class="sg-draft {"sg-chain" if chain else "sg-tree"}">{"".join(chips)}</div>'
+
+
+def _selfdraft(internals: Internals, view: RunView, index: int, token_text: TokenText | None) -> str:
+    parts = []
+    if internals.branches:
+        rows = "".join(
+            f'<tr><th>branch {b}</th>{"".join(f"<td>{esc(_ids_text((t,), token_text))}</td>" for t in branch)}</tr>'
+            for b, branch in enumerate(internals.branches))
+        parts.append(f'<div class="sg-sub">Draft branches</div><table class="sg-grid">{rows}</table>')
+    if internals.candidates:
+        pieces = view.steps[index].draft_pieces
+        items = []
+        for c, cand in enumerate(internals.candidates):
+            hit = internals.hit is not None and internals.hit[0] == c
+            text = "".join(pieces[n] for n in cand.nodes if 0 <= n < len(pieces))
+            kept = f' <span class="sg-badge sg-hit">kept {internals.hit[1]} tokens</span>' if hit else ""
+            items.append(f'<li class="{"sg-cand-hit" if hit else ""}"><span class="sg-badge sg-src-{esc(cand.source)}">'
+                         f'{esc(cand.source)}</span> <code>{esc(_ids_text(cand.key, token_text))}</code> → '
+                         f'<span class="sg-cand">{esc(text)}</span>{kept}</li>')
+        parts.append(f'<div class="sg-sub">Candidates</div><ol class="sg-cands" start="0">{"".join(items)}</ol>')
+    return "".join(parts)
+
+
+def _facts(internals: Internals) -> str:
+    facts = [(f"cache {name}", str(size)) for name, size in internals.cache_sizes]
+    if internals.exit_reason or internals.exit_threshold is not None:
+        threshold = f" at threshold {internals.exit_threshold:g}" if internals.exit_threshold is not None else ""
+        facts.append(("draft exit", f"{internals.exit_reason or '?'}{threshold}"))
+    if internals.draft_len is not None:
+        facts.append(("draft length limit", str(internals.draft_len)))
+    if internals.ngram:
+        facts.append(("matched n-gram", str(internals.ngram)))
+    facts += [(key, f"{ms:.2f} ms") for key, ms in internals.timings]
+    facts += list(internals.other)
+    if not facts:
+        return ""
+    items = "".join(f"<div><dt>{esc(k)}</dt><dd>{esc(v)}</dd></div>" for k, v in facts)
+    return f'<dl class="sg-facts">{items}</dl>'
+
+
+def step_detail(view: RunView, index: int, token_text: TokenText | None = None) -> str:
+    """The inspector for one step (0-based): draft with verdicts, layer strip, the method's internals."""
+    if not view.steps:
+        return '<div class="sg-inspector sg-muted">No steps yet.</div>'
+    index = max(0, min(index, len(view.steps) - 1))
+    step = view.steps[index]
+    internals = view.internals(index)
+    own = "none (budget reached)" if len(step.emitted) == step.accepted else (
+        "correction" if step.corrected else "bonus")
+    times = " · ".join(f"{phase} {getattr(step, phase + '_ms'):.1f} ms" for phase in PHASES)
+    head = (f'<div class="sg-step-head"><b>Step {step.index}</b> of {len(view.steps)} · drafted {step.drafted} · '
+            f'accepted {step.accepted} · verifier token: {own} · forward over {step.forward_tokens} tokens · '
+            f'{times}</div>')
+    return (f'<div class="sg-inspector">{head}{_draft_tree(view, index, internals)}'
+            f'{layer_strip(view.num_layers, internals)}{_selfdraft(internals, view, index, token_text)}'
+            f'{_facts(internals)}</div>')
+
+
+def summary(method: RunView, baseline: RunView, comparison: Comparison) -> str:
+    """The verdict after both runs: speedup, tau, acceptance, identical badge or first divergence."""
+    speed = f"{comparison.speedup:.2f}×" if comparison.speedup is not None else "–"
+    cards = [("speedup", speed), ("tau", f"{method.tau:.2f}"), ("acceptance", f"{method.acceptance_rate:.0%}"),
+             ("steps", str(len(method.steps)))]
+    body = "".join(f'<div class="sg-card"><div class="sg-card-value">{esc(v)}</div>'
+                   f'<div class="sg-card-label">{esc(k)}</div></div>' for k, v in cards)
+    if comparison.identical:
+        verdict = '<span class="sg-badge sg-identical">✓ identical to baseline</span>'
+    elif comparison.divergence is not None:
+        d = comparison.divergence
+        margin = f", baseline top-2 margin {d.baseline_margin:.3g}" if d.baseline_margin is not None else ""
+        kind = "a numerical near-tie" if d.near_tie else "not a near-tie"
+        verdict = (f'<span class="sg-badge sg-diverged">✗ first divergence at token {d.position}</span> '
+                   f'baseline <code>{esc(repr(d.baseline_text))}</code> vs method '
+                   f'<code>{esc(repr(d.method_text))}</code>{esc(margin)} ({kind})')
+    else:
+        verdict = f'<span class="sg-badge sg-na">{esc(comparison.note)}</span>'
+    cached = (f" Baseline reused from the cache (same model, prompt and settings, recorded "
+              f"{_clock(baseline.cached_at)}); its timing is from that run." if baseline.cached_at is not None else "")
+    line = (f"{esc(method.method)}: {method.new_tokens} tokens in {method.seconds:.2f} s "
+            f"({method.tokens_per_s:.1f} tok/s) · baseline: {baseline.new_tokens} tokens in "
+            f"{baseline.seconds:.2f} s ({baseline.tokens_per_s:.1f} tok/s).{esc(cached)}")
+    return (f'<div class="sg-summary"><div class="sg-cards">{body}</div><div class="sg-verdict">{verdict}</div>'
+            f'<div class="sg-muted">{line}</div></div>')

@@ -1,0 +1,297 @@
+"""The run controller: one shared model, decoding apart from rendering, fair timing, replays.
+
+- `DEVICE` is the one thread that ever touches a model (loading, decoding, the Compare suite). Besides
+  serialising runs, this matters for speed on CPU: once a second thread has run OpenMP work, libgomp
+  sees more threads than cores and stops spin-waiting, and small matmuls in the other thread fall to
+  about single-core speed (measured: a 4-row verify matmul 110 us -> 205 us, pld 25% slower). So the
+  page's threads only render, and the model's work stays on one long-lived thread.
+- `ModelStore` loads a model once and shares it; `busy` is held for a whole live run (method, then
+  baseline), so no other run slips in between or shares the device.
+- `Worker` runs `decode.generate` on `DEVICE` and hands events over through a queue; the page drains
+  it in batches every few hundred milliseconds. The core's clock only counts time inside the
+  generator, and the generator never waits for the page, so rendering cannot slow a method down.
+- `live` runs the method, then baseline (or reuses baseline's events from `BaselineCache` for the same
+  model, prompt ids and settings) and yields `Tick`s; `replay` yields a recorded trace's events at the
+  recorded pace, so a demo runs where no model can be loaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any
+
+from specgui import decode
+from specgui.errors import SpecGUIError
+from specgui.events import Event, Prefill, Start, Step, Summary
+from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
+from specgui.sampling import Sampling
+from specgui.text import Messages, encode_prompt
+
+METHOD, BASELINE = "method", "baseline"  # the two panes
+DEVICE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgui-device")  # see the module docstring
+FRAME_S = 0.5  # how often the page takes a batch of events: each frame costs CPU the decode could use
+
+
+@dataclass
+class Tick:
+    """Something for the page to show: events for one pane, or a status line."""
+
+    pane: str = METHOD
+    events: list[Event] = field(default_factory=list)
+    cached_at: float | None = None  # baseline's events came from the cache (recorded then)
+    status: str = ""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Everything one live run needs, as the page collected it."""
+
+    method: str
+    prompt: str | Messages
+    max_new_tokens: int
+    sampling: Sampling
+    params: dict[str, Any] = field(default_factory=dict)
+    model: str = EMBEDDED
+    prompt_text: str = ""
+
+
+class ModelStore:
+    """One loaded model at a time, shared by every handler (loading another name replaces it)."""
+
+    def __init__(self, loader: Callable[[ModelSpec], LoadedModel] = load) -> None:
+        self._loader = loader
+        self._lm: LoadedModel | None = None
+        self._load_lock = threading.Lock()
+        self.busy = threading.Lock()  # held while decoding: runs never overlap on the device
+
+    @property
+    def current(self) -> LoadedModel | None:
+        return self._lm
+
+    def holds(self, name: str) -> bool:
+        return self._lm is not None and self._lm.spec.name == (name.strip() or EMBEDDED)
+
+    def get(self, name: str) -> LoadedModel:
+        with self._load_lock:
+            if not self.holds(name):
+                self._lm = None
+                gc.collect()  # free the old weights before the new ones arrive
+                self._lm = DEVICE.submit(self._loader, ModelSpec(name=name.strip() or EMBEDDED)).result()
+            return self._lm
+
+    def put(self, lm: LoadedModel) -> None:
+        """Share an already loaded model (tests, or a caller that loaded with special options)."""
+        with self._load_lock:
+            self._lm = lm
+
+
+class BaselineCache:
+    """Finished baseline runs by (model, device, prompt ids, settings), most recent first."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self._runs: OrderedDict[tuple, tuple[list[Event], float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(lm: LoadedModel, ids: list[int], sampling: Sampling, max_new_tokens: int) -> tuple:
+        return (lm.name, str(lm.device), tuple(ids), tuple(sorted(sampling.to_dict().items())), max_new_tokens)
+
+    def get(self, key: tuple) -> tuple[list[Event], float] | None:
+        with self._lock:
+            if key in self._runs:
+                self._runs.move_to_end(key)
+                return self._runs[key]
+            return None
+
+    def put(self, key: tuple, events: list[Event]) -> None:
+        """Keep a finished run (a stopped one is not a baseline)."""
+        if not events or not isinstance(events[-1], Summary) or events[-1].stop == "cancelled":
+            return
+        with self._lock:
+            self._runs[key] = (list(events), time.time())
+            self._runs.move_to_end(key)
+            while len(self._runs) > self.size:
+                self._runs.popitem(last=False)
+
+
+_DONE = object()
+EventSource = Callable[[Callable[[], bool]], Iterator[Event]]  # should_stop -> events
+
+
+class Worker:
+    """Consumes an event source on the device thread; `batches` hands the events over in groups.
+
+    The source gets a `should_stop` that turns true when the user's `stop` flag is set or when the
+    consumer goes away (`close`), so a run never outlives the page that asked for it.
+    """
+
+    def __init__(self, source: EventSource, stop: threading.Event) -> None:
+        self._source = source
+        self._stop = stop
+        self._cancel = threading.Event()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.events: list[Event] = []
+        self._future: Future = DEVICE.submit(self._run)
+
+    def _should_stop(self) -> bool:
+        return self._stop.is_set() or self._cancel.is_set()
+
+    def _run(self) -> None:
+        try:
+            for event in self._source(self._should_stop):
+                self._queue.put(event)
+        except BaseException as exc:  # re-raised in the consumer's thread, where the page can report it
+            self._queue.put(exc)
+        finally:
+            self._queue.put(_DONE)
+
+    def batches(self, interval: float = FRAME_S) -> Iterator[list[Event]]:
+        """Lists of new events, at most one list per `interval` seconds, until the source is exhausted."""
+        try:
+            while True:
+                batch: list[Event] = []
+                deadline = time.monotonic() + interval
+                while True:
+                    try:
+                        item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except queue.Empty:
+                        break
+                    if item is _DONE:
+                        if batch:
+                            yield batch
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch.append(item)
+                    self.events.append(item)
+                if batch:
+                    yield batch
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Ask the source to stop (if it still runs) and wait until it has."""
+        self._cancel.set()
+        self._future.result()
+
+    @property
+    def alive(self) -> bool:
+        return not self._future.done()
+
+
+class StopFlags:
+    """One stop flag per browser session, so Stop only ends the run of whoever pressed it."""
+
+    def __init__(self) -> None:
+        self._flags: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def fresh(self, session: str) -> threading.Event:
+        with self._lock:
+            self._flags[session] = threading.Event()
+            return self._flags[session]
+
+    def stop(self, session: str) -> bool:
+        with self._lock:
+            flag = self._flags.get(session)
+        if flag is not None:
+            flag.set()
+        return flag is not None
+
+
+def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequest) -> EventSource:
+    """`decode.generate` for `method` as a Worker source (the request's parameters apply to its own method)."""
+    params = request.params if method == request.method else None
+    return lambda should_stop: decode.generate(lm, ids, method, max_new_tokens=request.max_new_tokens,
+                                               sampling=request.sampling, params=params,
+                                               prompt_text=request.prompt_text, should_stop=should_stop)
+
+
+def _ticks(worker: Worker, pane: str) -> Iterator[Tick]:
+    with closing(worker.batches()) as batches:  # closing this generator closes the worker too
+        for batch in batches:
+            yield Tick(pane, batch)
+
+
+def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: threading.Event) -> Iterator[Tick]:
+    """Run the method, then baseline (or its cached events): never both at once on the device."""
+    if not store.holds(request.model):
+        yield Tick(status=f"loading model {request.model} …")
+    lm = store.get(request.model)
+    ids = encode_prompt(lm.tokenizer, request.prompt)
+    key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens)
+    with store.busy:
+        worker = Worker(decode_source(lm, ids, request.method, request), stop)
+        yield from _ticks(worker, METHOD)
+        if request.method == "baseline":
+            cache.put(key, worker.events)
+        if stop.is_set():
+            return
+        # the page drew the method's last frame while this generator waited: nothing was decoding then
+        hit = cache.get(key)
+        if hit is not None:
+            yield Tick(BASELINE, hit[0], cached_at=hit[1])
+            return
+        worker = Worker(decode_source(lm, ids, "baseline", request), stop)
+        yield from _ticks(worker, BASELINE)
+        cache.put(key, worker.events)
+
+
+def assign_panes(traces: list[list[Event]]) -> dict[str, list[Event]]:
+    """One trace plays in the method pane; with two, the baseline trace goes to the baseline pane."""
+    if not 1 <= len(traces) <= 2:
+        raise SpecGUIError("load one trace, or a method trace and a baseline trace")
+    if len(traces) == 1:
+        return {METHOD: traces[0]}
+    starts = [t[0] for t in traces]
+    baseline = [i for i, s in enumerate(starts) if isinstance(s, Start) and s.method == "baseline"]
+    if not baseline:
+        raise SpecGUIError("of two traces, one must be a baseline run")
+    b = baseline[-1]
+    return {METHOD: traces[1 - b], BASELINE: traces[b]}
+
+
+def _timeline(events: list[Event]) -> list[tuple[float, Event]]:
+    """Each event at the decoding time (seconds) it was produced."""
+    clock = 0.0
+    out = []
+    for event in events:
+        if isinstance(event, Prefill):
+            clock += (event.ms + event.overhead_ms) / 1000
+        elif isinstance(event, Step):
+            clock += (event.draft_ms + event.verify_ms + event.overhead_ms) / 1000
+        elif isinstance(event, Summary):
+            clock = max(clock, event.wall_s)
+        out.append((clock, event))
+    return out
+
+
+def replay(panes: dict[str, list[Event]], stop: threading.Event, speed: float = 1.0,
+           frame: float = FRAME_S) -> Iterator[Tick]:
+    """Yield recorded events at their recorded pace (both panes on one clock: a race), `speed` times faster."""
+    if speed <= 0:
+        raise SpecGUIError(f"replay speed must be positive, got {speed}")
+    timeline = sorted(((t, pane, n, e) for pane, events in panes.items() for n, (t, e) in enumerate(_timeline(events))),
+                    key=lambda item: (item[0], item[1], item[2]))
+    begin = time.monotonic()
+    i = 0
+    while i < len(timeline) and not stop.is_set():
+        now = (time.monotonic() - begin) * speed
+        due: dict[str, list[Event]] = {}
+        while i < len(timeline) and timeline[i][0] <= now:
+            due.setdefault(timeline[i][1], []).append(timeline[i][3])
+            i += 1
+        for pane, events in due.items():
+            yield Tick(pane, events)
+        if i < len(timeline):
+            wait = timeline[i][0] / speed - (time.monotonic() - begin)
+            stop.wait(max(wait, frame) if due else max(wait, 0.0))  # at most one frame per `frame` seconds

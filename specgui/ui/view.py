@@ -1,0 +1,343 @@
+"""Events -> what the page shows, with no gradio or plotly in sight.
+
+A `RunView` folds one run's events (live or replayed) into token marks, running totals and per-step
+records; `compare` puts a method's view next to baseline's. `render` and `charts` only read these, so
+tests can check every component against hand-built events without launching anything.
+
+Payloads come from methods and, in a replay, from an untrusted file: `parse_internals` reads the keys
+listed in `specgui.events` defensively and drops any value of the wrong shape instead of trusting it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specgui.events import Event, Prefill, Start, Step, Summary
+
+NEAR_TIE = 1e-3  # logit margins below this are float noise between two batch shapes (as in bench)
+# Token kinds in the method pane: how each piece of text came to be there.
+ACCEPTED, BONUS, CORRECTION, REJECTED = "accepted", "bonus", "correction", "rejected"
+DISCARDED = "discarded"  # a draft node below a rejected one (inspector only)
+KIND_HELP = {
+    ACCEPTED: "accepted draft token",
+    BONUS: "verifier's own token (bonus: the whole draft was accepted)",
+    CORRECTION: "verifier's own token (correction: replaces a rejected draft token)",
+    REJECTED: "rejected draft token (never part of the output)",
+}
+# Payload keys `parse_internals` understands; any other key is shown as is.
+KNOWN_KEYS = frozenset({"skip", "reoptimized", "dp_score", "acs", "exit", "draft_len", "fractal_layers", "origin",
+                        "branches", "candidates", "hit", "cache_sizes", "ngram"})
+# Keys a method may state once, in the Prefill payload, for the whole run (ADMG's per-prompt skip set and
+# the attention similarities it was chosen from; Fractal's insertion points).
+RUN_WIDE_KEYS = ("skip", "acs", "fractal_layers")
+
+TokenText = Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One piece of the method pane: an output token, or a rejected draft token where it was rejected."""
+
+    text: str
+    kind: str
+    step: int  # 0: the prompt forward
+    origin: int | None = None  # the fractal layer that produced this draft token
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One of Self-Draft's n-gram candidates: the draft nodes it became, where it came from, its key."""
+
+    nodes: tuple[int, ...]
+    source: str
+    key: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Internals:
+    """A step's method payload, checked and typed (fields a method did not set stay empty)."""
+
+    skip_attn: frozenset[int] = frozenset()
+    skip_mlp: frozenset[int] = frozenset()
+    has_skip: bool = False
+    reoptimized: bool = False
+    dp_score: float | None = None
+    acs: tuple[float, ...] = ()
+    fractal_layers: tuple[int, ...] = ()
+    origin: tuple[int | None, ...] = ()
+    branches: tuple[tuple[int, ...], ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+    hit: tuple[int, int] | None = None  # (candidate index, tokens accepted from it)
+    cache_sizes: tuple[tuple[str, int], ...] = ()
+    exit_reason: str | None = None
+    exit_threshold: float | None = None
+    confidences: tuple[float, ...] = ()
+    draft_len: int | None = None
+    ngram: int | None = None
+    timings: tuple[tuple[str, float], ...] = ()  # every "*_ms" key
+    other: tuple[tuple[str, str], ...] = ()  # unknown keys, as short JSON
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, list) and all(_is_int(v) for v in value) else ()
+
+
+def _nums(value: Any) -> tuple[float, ...]:
+    return tuple(float(v) for v in value) if isinstance(value, list) and all(_is_num(v) for v in value) else ()
+
+
+def _candidate(value: Any) -> Candidate | None:
+    if not isinstance(value, dict) or not isinstance(value.get("source"), str):
+        return None
+    return Candidate(_ints(value.get("nodes")), value["source"], _ints(value.get("key")))
+
+
+def _short_json(value: Any, limit: int = 160) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def parse_internals(payload: dict[str, Any], run_wide: dict[str, Any] | None = None) -> Internals:
+    """Typed internals of one step; `run_wide` (the Prefill payload) supplies skip / fractal layers it lacks."""
+    p = {**{k: v for k, v in (run_wide or {}).items() if k in RUN_WIDE_KEYS}, **payload}
+    fields: dict[str, Any] = {}
+    skip = p.get("skip")
+    if isinstance(skip, dict):
+        fields.update(skip_attn=frozenset(_ints(skip.get("attn"))), skip_mlp=frozenset(_ints(skip.get("mlp"))),
+                      has_skip=True)
+    fields["reoptimized"] = p.get("reoptimized") is True
+    if _is_num(p.get("dp_score")):
+        fields["dp_score"] = float(p["dp_score"])
+    fields["acs"] = _nums(p.get("acs"))
+    fields["fractal_layers"] = _ints(p.get("fractal_layers"))
+    origin = p.get("origin")
+    if isinstance(origin, list) and all(o is None or _is_int(o) for o in origin):
+        fields["origin"] = tuple(origin)
+    branches = p.get("branches")
+    if isinstance(branches, list):
+        fields["branches"] = tuple(_ints(b) for b in branches if isinstance(b, list))
+    candidates = p.get("candidates")
+    if isinstance(candidates, list):
+        fields["candidates"] = tuple(c for c in map(_candidate, candidates) if c is not None)
+    hit = p.get("hit")
+    if isinstance(hit, dict) and _is_int(hit.get("candidate")) and _is_int(hit.get("tokens")):
+        fields["hit"] = (hit["candidate"], hit["tokens"])
+    sizes = p.get("cache_sizes")
+    if isinstance(sizes, dict):
+        fields["cache_sizes"] = tuple((str(k), v) for k, v in sizes.items() if _is_int(v))
+    exit_info = p.get("exit")
+    if isinstance(exit_info, dict):
+        if isinstance(exit_info.get("reason"), str):
+            fields["exit_reason"] = exit_info["reason"]
+        if _is_num(exit_info.get("threshold")):
+            fields["exit_threshold"] = float(exit_info["threshold"])
+        fields["confidences"] = _nums(exit_info.get("confidences"))
+    for key in ("draft_len", "ngram"):
+        if _is_int(p.get(key)):
+            fields[key] = p[key]
+    fields["timings"] = tuple((k, float(v)) for k, v in p.items() if k.endswith("_ms") and _is_num(v))
+    fields["other"] = tuple((k, _short_json(v)) for k, v in payload.items()
+                            if k not in KNOWN_KEYS and not k.endswith("_ms"))
+    return Internals(**fields)
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """What became of one draft node: on the accepted path, the rejected one, or discarded below it."""
+
+    node: int
+    text: str
+    depth: int
+    verdict: str  # ACCEPTED, REJECTED or DISCARDED
+    origin: int | None
+
+
+def node_verdicts(step: Step, origin: tuple[int | None, ...] = ()) -> list[NodeVerdict]:
+    """Every draft node with its verdict: accepted on the path, rejected where the target chose otherwise."""
+    on_path = set(step.path)
+    depth: list[int] = []
+    out = []
+    for i, parent in enumerate(step.draft_parents):
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+        if i in on_path:
+            verdict = ACCEPTED
+        elif parent < 0 or parent in on_path:  # the target picked another token at this position
+            verdict = REJECTED
+        else:  # below a rejected node: never judged, dropped with it
+            verdict = DISCARDED
+        text = step.draft_pieces[i] if i < len(step.draft_pieces) else ""
+        out.append(NodeVerdict(i, text, depth[i], verdict, origin[i] if i < len(origin) else None))
+    return out
+
+
+@dataclass
+class RunView:
+    """One run as the page sees it, built up event by event."""
+
+    cached_at: float | None = None  # set when the events were reused from the baseline cache
+    start: Start | None = None
+    prefill: Prefill | None = None
+    steps: list[Step] = field(default_factory=list)
+    summary: Summary | None = None
+    marks: list[Mark] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # text of each output token, aligned with token_ids
+    margins: list[float] = field(default_factory=list)
+    elapsed_ms: float = 0.0  # decoding time so far (the core's clock: rendering excluded)
+    race: list[tuple[float, int]] = field(default_factory=lambda: [(0.0, 0)])  # (seconds, tokens so far)
+    fractal_layers: list[int] = field(default_factory=list)  # every fractal layer seen, sorted (tint order)
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Start):
+            self.start = event
+        elif isinstance(event, Prefill):
+            self.prefill = event
+            self._note_fractal(parse_internals(event.payload).fractal_layers)
+            self._emit([event.token], [event.piece], [event.margin], event.ms + event.overhead_ms)
+            self.marks.append(Mark(event.piece, BONUS, 0))
+        elif isinstance(event, Step):
+            self._add_step(event)
+        elif isinstance(event, Summary):
+            self.summary = event
+
+    def extend(self, events: list[Event]) -> None:
+        for event in events:
+            self.add(event)
+
+    def _emit(self, tokens: list[int], pieces: list[str], margins: list[float], ms: float) -> None:
+        self.token_ids += tokens
+        self.pieces += pieces
+        self.margins += margins
+        self.elapsed_ms += ms
+        self.race.append((self.elapsed_ms / 1000, len(self.token_ids)))
+
+    def _add_step(self, step: Step) -> None:
+        self.steps.append(step)
+        internals = self.internals(len(self.steps) - 1)
+        origin = internals.origin
+        self._note_fractal(internals.fractal_layers + tuple(o for o in origin if o is not None))
+        n = step.index
+        for i, piece in enumerate(step.emitted_pieces[: step.accepted]):
+            node = step.path[i]
+            self.marks.append(Mark(piece, ACCEPTED, n, origin[node] if node < len(origin) else None))
+        for node in step.rejected:  # shown where they were rejected: after the accepted ones
+            self.marks.append(Mark(step.draft_pieces[node], REJECTED, n, origin[node] if node < len(origin) else None))
+        if len(step.emitted) > step.accepted:  # the verifier's own token (absent when the budget cut it)
+            self.marks.append(Mark(step.emitted_pieces[-1], CORRECTION if step.corrected else BONUS, n))
+        self._emit(list(step.emitted), list(step.emitted_pieces), list(step.margins),
+                   step.draft_ms + step.verify_ms + step.overhead_ms)
+
+    def _note_fractal(self, layers: tuple[int, ...]) -> None:
+        if not set(layers) <= set(self.fractal_layers):
+            self.fractal_layers = sorted(set(self.fractal_layers) | set(layers))
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    @property
+    def events(self) -> list[Event]:
+        """The run's events again, in order (for saving a trace)."""
+        head = [e for e in (self.start, self.prefill) if e is not None]
+        return head + list(self.steps) + ([self.summary] if self.summary else [])
+
+    @property
+    def method(self) -> str:
+        return self.start.method if self.start else ""
+
+    @property
+    def num_layers(self) -> int:
+        return self.start.num_layers if self.start else 0
+
+    @property
+    def done(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def greedy(self) -> bool:
+        return bool(self.start) and self.start.sampling.get("temperature") == 0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seconds(self) -> float:
+        return self.summary.wall_s if self.summary else self.elapsed_ms / 1000
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.summary:
+            return self.summary.tokens_per_s
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        if self.summary:
+            return self.summary.tau
+        return sum(len(s.emitted) for s in self.steps) / len(self.steps) if self.steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(s.drafted for s in self.steps)
+        return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
+
+    def internals(self, index: int) -> Internals:
+        """Parsed payload of step `index` (0-based), with run-wide keys from the prompt forward."""
+        return parse_internals(self.steps[index].payload, self.prefill.payload if self.prefill else None)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    position: int
+    method_text: str | None  # None: the method's output ended here
+    baseline_text: str | None
+    baseline_margin: float | None
+
+    @property
+    def near_tie(self) -> bool:
+        return self.baseline_margin is not None and self.baseline_margin < NEAR_TIE
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The verdict shown after both runs: `identical` is None where token identity does not apply."""
+
+    speedup: float | None
+    identical: bool | None
+    divergence: Divergence | None
+    note: str  # why identity does not apply, or ""
+
+
+def compare(method: RunView, baseline: RunView) -> Comparison:
+    """Speedup and identity of a finished method run against a finished baseline run."""
+    speedup = method.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None
+    m, b = method.start, baseline.start
+    if m is None or b is None or m.prompt_ids != b.prompt_ids or m.model != b.model:
+        return Comparison(None, None, None, "the two runs have different models or prompts")
+    if m.sampling != b.sampling or m.max_new_tokens != b.max_new_tokens:
+        return Comparison(speedup, None, None, "the two runs used different decoding settings")
+    if "cancelled" in (method.summary.stop, baseline.summary.stop):
+        return Comparison(None, None, None, "a run was stopped before the end")
+    if not method.greedy:
+        return Comparison(speedup, None, None, "sampling: outputs are samples (lossless in distribution)")
+    if method.token_ids == baseline.token_ids:
+        return Comparison(speedup, True, None, "")
+    pos = next((i for i, (a, c) in enumerate(zip(method.token_ids, baseline.token_ids)) if a != c),
+               min(len(method.token_ids), len(baseline.token_ids)))
+
+    def text(view: RunView) -> str | None:
+        return view.pieces[pos] if pos < len(view.pieces) else None
+
+    margin = baseline.margins[pos] if pos < len(baseline.margins) else None
+    return Comparison(speedup, False, Divergence(pos, text(method), text(baseline), margin), "")

@@ -1,0 +1,123 @@
+"""A real browser on the served app: Debian's chromium, headless, driven by Playwright.
+
+Runs every registered method on a summarisation prompt, checks coloured accepted / rejected tokens, the
+layer strip, the summary, the step inspector, the rejected-token toggle and the dark theme, and that
+the page fetched nothing from outside the machine (no CDN). Screenshots go to the test's tmp folder;
+with SPECGUI_SCREENSHOT=path the pld run's screenshot is also written there (the README's picture).
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, sync_playwright
+from ui_helpers import served
+
+from specgui import methods
+
+CHROMIUM = "/usr/bin/chromium"
+TOKENS = 32
+TIMEOUT_MS = 180_000
+
+
+@pytest.fixture(scope="module")
+def browser_page(embedded_lm):
+    chromium = CHROMIUM if Path(CHROMIUM).is_file() else shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium is not installed: apt-get install -y chromium (.ci/run does this)")
+    with served(embedded_lm) as (_, url), sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        outside = []
+        page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
+            (url.rstrip("/"), "data:", "blob:")) else None)
+        page.goto(url)
+        page.wait_for_selector("#sg-run")
+        yield page, url, outside
+        browser.close()
+
+
+def choose(page: Page, box: str, text: str) -> None:
+    """Pick the dropdown option that contains `text` (typing filters the list, a click picks)."""
+    page.locator(f"{box} input").click()
+    page.locator(f"{box} input").fill(text)
+    page.get_by_role("option").filter(has_text=text).first.click()
+    assert text in page.locator(f"{box} input").input_value()
+
+
+def run_and_wait(page: Page) -> None:
+    """Click Run and wait for a *new* "done" status (the old status element is marked first)."""
+    page.evaluate("document.querySelector('#sg-status .sg-status').dataset.old = '1'")
+    page.click("#sg-run")
+    page.wait_for_function("(() => { const e = document.querySelector('#sg-status .sg-status');"
+                           " return e && !e.dataset.old && e.innerText.startsWith('done'); })()", timeout=TIMEOUT_MS)
+
+
+def test_runs_every_method_and_shows_tokens_strip_and_summary(browser_page, tmp_path):
+    page, _, outside = browser_page
+    choose(page, "#sg-example", "summarization-01")
+    page.locator("#sg-max-new input[type=number]").fill(str(TOKENS))
+    page.locator("#sg-max-new input[type=number]").press("Enter")
+    names = sorted(methods.names(), key=lambda n: n == "baseline")  # baseline last
+    assert len(names) >= 2
+    for name in names:
+        choose(page, "#sg-method", name)
+        run_and_wait(page)
+        tokens = page.locator("#sg-method-tokens .sg-tok")
+        assert tokens.count() >= TOKENS
+        assert page.locator("#sg-baseline-tokens").inner_text().strip()
+        assert page.locator("#sg-inspector .sg-strip .sg-cell").count() == 2 * 30  # SmolLM2: 30 layers
+        summary = page.locator("#sg-summary").inner_text()
+        assert "speedup" in summary and "identical to baseline" in summary
+        page.screenshot(path=tmp_path / f"{name}.png", full_page=True)
+        if name == "pld":
+            assert page.locator("#sg-method-tokens .sg-accepted").count() > 0
+            assert page.locator("#sg-method-tokens .sg-rejected").count() > 0
+            color = page.locator("#sg-method-tokens .sg-accepted").first.evaluate(
+                "e => getComputedStyle(e).backgroundColor")
+            assert color not in ("rgba(0, 0, 0, 0)", "transparent")  # the stylesheet is applied
+            if os.environ.get("SPECGUI_SCREENSHOT"):
+                page.screenshot(path=os.environ["SPECGUI_SCREENSHOT"], full_page=True)
+            check_inspector_and_toggle(page)
+    assert outside == []  # everything offline: no CDN fonts or scripts
+
+
+def check_inspector_and_toggle(page: Page) -> None:
+    page.locator("#sg-step input[type=number]").fill("1")
+    page.locator("#sg-step input[type=number]").press("Enter")
+    page.wait_for_function("document.querySelector('#sg-inspector').innerText.includes('Step 1 of')")
+    rejected = page.locator("#sg-method-tokens .sg-rejected").first
+    assert rejected.is_visible()
+    page.locator("#sg-show-rejected input").uncheck()
+    assert not rejected.is_visible()
+    page.locator("#sg-show-rejected input").check()
+    assert rejected.is_visible()
+
+
+def test_stop_ends_a_long_run_early(browser_page):
+    page, _, _ = browser_page
+    choose(page, "#sg-method", "pld")
+    page.locator("#sg-max-new input[type=number]").fill("600")
+    page.locator("#sg-max-new input[type=number]").press("Enter")
+    page.click("#sg-run")
+    page.wait_for_function("document.querySelectorAll('#sg-method-tokens .sg-tok').length > 8", timeout=TIMEOUT_MS)
+    page.click("#sg-stop")
+    page.wait_for_function("document.querySelector('#sg-status').innerText.startsWith('stopped')", timeout=60_000)
+    assert "stop: cancelled" in page.locator("#sg-method-stats").inner_text()
+    assert "waiting" in page.locator("#sg-baseline-stats").inner_text()  # no baseline after a stop
+
+
+def test_dark_theme_recolours_tokens(browser_page, tmp_path):
+    page, url, _ = browser_page
+
+    def accepted_colour() -> str:
+        page.wait_for_selector("#sg-legend .sg-accepted")
+        return page.locator("#sg-legend .sg-accepted").evaluate("e => getComputedStyle(e).backgroundColor")
+
+    light = accepted_colour()
+    page.goto(url + "?__theme=dark")
+    assert page.evaluate("document.body.classList.contains('dark')")
+    assert accepted_colour() != light
+    page.screenshot(path=tmp_path / "dark.png")

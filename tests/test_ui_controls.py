@@ -1,0 +1,68 @@
+"""Inputs: parameter panels from each method's Params metadata and configs/, decoding settings, examples."""
+
+import gradio as gr
+import pytest
+
+from specgui import methods
+from specgui.errors import SpecGUIError
+from specgui.params import specs
+from specgui.ui import controls
+
+
+@pytest.fixture(scope="module")
+def panel():
+    with gr.Blocks():
+        return controls.param_panel("SmolLM2-135M-Instruct", "cpu", shown="pld")
+
+
+def test_every_registered_method_gets_a_panel_from_its_params(panel):
+    assert list(panel.groups) == methods.names()
+    for name in methods.names():
+        declared = [s["name"] for s in specs(methods.get(name).Params)]
+        assert [p for m, p in panel.keys if m == name] == declared
+    assert panel.groups["pld"].visible and not panel.groups["baseline"].visible
+
+
+def test_widgets_follow_the_declared_ranges_and_the_presets(panel):
+    widgets = {key: c for key, c in zip(panel.keys, panel.components)}
+    num_draft = widgets[("pld", "num_draft")]
+    assert isinstance(num_draft, gr.Slider) and (num_draft.minimum, num_draft.maximum, num_draft.step) == (1, 64, 1)
+    cpu = methods.params_for("pld", "SmolLM2-135M-Instruct", "cpu").num_draft
+    assert num_draft.value == cpu  # configs/pld.yaml's CPU preset
+    gpu = panel.presets("SmolLM2-135M-Instruct", "cuda")
+    assert gpu[panel.keys.index(("pld", "num_draft"))] == methods.params_for("pld", "x", "cuda").num_draft
+
+
+def test_panel_values_become_typed_overrides_for_the_chosen_method_only(panel):
+    values = [float(v) if isinstance(v, int) else v for v in panel.presets("SmolLM2", "cpu")]
+    overrides = panel.overrides("pld", values)
+    assert set(overrides) == {s["name"] for s in specs(methods.get("pld").Params)}
+    assert all(type(v) is int for v in overrides.values())  # sliders hand back floats; Params want ints
+    assert panel.overrides("baseline", values) == {}
+    methods.params_for("pld", "SmolLM2", "cpu", overrides)  # validates
+    shown = panel.show("baseline")
+    assert [u["visible"] for u in shown] == [n == "baseline" for n in panel.groups]
+
+
+def test_decoding_settings():
+    assert controls.sampling_from("greedy", 0.9, 0.5, 3).greedy
+    sampled = controls.sampling_from("sampling", 0.7, 0.9, 5.0)
+    assert (sampled.temperature, sampled.top_p, sampled.seed) == (0.7, 0.9, 5)
+    assert controls.sampling_from("sampling", 0.7, 1.0, None).seed is None
+    with pytest.raises(SpecGUIError, match="temperature"):
+        controls.sampling_from("sampling", 0, 1.0, None)
+    cap = controls.max_new_tokens_cap()
+    assert controls.clamp_tokens(12.0) == (12, "")
+    assert controls.clamp_tokens(cap + 5)[0] == cap and "capped" in controls.clamp_tokens(cap + 5)[1]
+    with pytest.raises(SpecGUIError):
+        controls.clamp_tokens(0)
+
+
+def test_examples_keep_their_conversation_until_edited():
+    examples = controls.examples()
+    multi = next(e for e in examples if e.row.messages is not None and len(e.row.messages) > 1)
+    assert multi.label.startswith(f"{multi.row.category} · {multi.row.id}: ")
+    assert controls.prompt_for(multi.row.preview, multi) == multi.row.messages
+    edited = multi.row.preview + " Please be brief."
+    assert controls.prompt_for(edited, multi) == edited
+    assert controls.prompt_for("hello", None) == "hello"

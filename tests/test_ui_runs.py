@@ -1,0 +1,190 @@
+"""The run controller: decoding on the device thread, method-then-baseline order, cache, stop, replay pace."""
+
+import threading
+import time
+
+import pytest
+from ui_helpers import prefill, run, start, step
+
+from specgui import decode
+from specgui.errors import SpecGUIError
+from specgui.events import Step, Summary
+from specgui.sampling import Sampling
+from specgui.ui import runs
+from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, StopFlags, Worker
+
+PROMPT = "abcdeabcdeabcdeabcd"  # the tiny model's letter tokenizer; repeats give prompt lookup matches
+
+
+@pytest.fixture
+def store(tiny_lm):
+    loads = []
+    store = ModelStore(loader=lambda spec: loads.append(spec.name) or tiny_lm)
+    store.loads = loads
+    return store
+
+
+def request(method: str = "pld", **kw) -> RunRequest:
+    return RunRequest(**{"method": method, "prompt": PROMPT, "max_new_tokens": 24, "sampling": Sampling(),
+                         "model": "tiny-llama", **kw})
+
+
+def shape(events):
+    """What must match between two runs of the same decode (timings aside)."""
+    return [(e.draft_tokens, e.path, e.emitted) for e in events if isinstance(e, Step)] + [events[-1].token_ids]
+
+
+def test_worker_hands_over_the_events_of_a_direct_run(tiny_lm):
+    ids = tiny_lm.tokenizer(PROMPT)["input_ids"]
+    worker = Worker(runs.decode_source(tiny_lm, ids, "pld", request()), threading.Event())
+    got = [e for batch in worker.batches(0.01) for e in batch]
+    assert shape(got) == shape(decode.run(tiny_lm, ids, "pld", max_new_tokens=24).events)
+    assert not worker.alive and worker.events == got
+
+
+def test_decoding_runs_on_the_one_device_thread(tiny_lm):
+    seen = set()
+
+    def source(should_stop):
+        seen.add(threading.get_ident())
+        yield from decode.generate(tiny_lm, [1, 2, 3], "baseline", max_new_tokens=3, should_stop=should_stop)
+
+    for _ in range(2):
+        list(Worker(source, threading.Event()).batches(0.01))
+    assert seen == {runs.DEVICE.submit(threading.get_ident).result()}
+
+
+def test_live_runs_the_method_then_baseline_and_reuses_a_cached_baseline(store):
+    cache = BaselineCache()
+    ticks = list(runs.live(store, cache, request(), threading.Event()))
+    panes = [t.pane for t in ticks if not t.status]
+    assert ticks[0].status.startswith("loading model")
+    assert panes == sorted(panes, key=[METHOD, BASELINE].index) and set(panes) == {METHOD, BASELINE}
+    first_baseline = [e for t in ticks if t.pane == BASELINE for e in t.events]
+    assert isinstance(first_baseline[-1], Summary) and all(t.cached_at is None for t in ticks)
+
+    again = list(runs.live(store, cache, request(), threading.Event()))
+    baseline = [t for t in again if t.pane == BASELINE]
+    assert len(baseline) == 1 and baseline[0].cached_at is not None and baseline[0].events == first_baseline
+    assert store.loads == ["tiny-llama"]  # loaded once, shared
+
+    other = list(runs.live(store, cache, request(max_new_tokens=20), threading.Event()))
+    assert all(t.cached_at is None for t in other if t.pane == BASELINE)  # other settings: a fresh baseline
+
+
+def test_baseline_as_the_method_fills_the_cache_itself(store):
+    ticks = list(runs.live(store, BaselineCache(), request("baseline"), threading.Event()))
+    method = [e for t in ticks if t.pane == METHOD for e in t.events]
+    baseline = [t for t in ticks if t.pane == BASELINE]
+    assert len(baseline) == 1 and baseline[0].cached_at is not None and baseline[0].events == method
+
+
+def test_stop_ends_the_method_run_and_skips_baseline(store):
+    stop, cache = threading.Event(), BaselineCache()
+    ticks = []
+    for tick in runs.live(store, cache, request(max_new_tokens=800), stop):
+        ticks.append(tick)
+        if tick.pane == METHOD and tick.events:
+            stop.set()
+    events = [e for t in ticks for e in t.events]
+    assert events[-1].stop == "cancelled" and events[-1].new_tokens < 800
+    assert all(t.pane == METHOD for t in ticks if not t.status)
+    assert not store.busy.locked()
+
+
+def test_leaving_mid_run_cancels_the_decode_and_frees_the_device(tiny_lm):
+    produced = []
+
+    def source(should_stop):
+        for event in decode.generate(tiny_lm, [1, 2, 3], "pld", max_new_tokens=900, should_stop=should_stop):
+            produced.append(event)
+            yield event
+
+    worker = Worker(source, threading.Event())
+    batches = worker.batches(0.01)
+    next(batches)
+    batches.close()  # the page went away
+    assert not worker.alive and produced[-1].stop == "cancelled"
+
+
+def test_closing_a_live_run_releases_the_model(store):
+    ticks = runs.live(store, BaselineCache(), request(max_new_tokens=800), threading.Event())
+    next(t for t in ticks if t.pane == METHOD and not t.status)
+    assert store.busy.locked()
+    ticks.close()
+    assert not store.busy.locked()
+
+
+def test_errors_from_the_decode_reach_the_page(store):
+    with pytest.raises(SpecGUIError, match="num_draft"):
+        list(runs.live(store, BaselineCache(), request(params={"num_draft": 999}), threading.Event()))
+    assert not store.busy.locked()
+
+
+def _recorded(method: str, step_ms: float, steps: int):
+    tokens = [step(i + 1, [], [], 20 + i, ms=(0.0, step_ms, 0.0)) for i in range(steps)]
+    return run(start(method), prefill(ms=step_ms - 1.0), *tokens)
+
+
+def test_replay_keeps_the_recorded_pace_and_races_both_panes():
+    method, baseline = _recorded("pld", 50.0, 4), _recorded("baseline", 100.0, 4)  # 0.25 s and 0.5 s of decoding
+    panes = runs.assign_panes([baseline, method])
+    assert panes == {METHOD: method, BASELINE: baseline}
+    began = time.monotonic()
+    ticks = list(runs.replay(panes, threading.Event(), speed=1.0, frame=0.05))
+    assert 0.45 <= time.monotonic() - began < 1.5
+    assert [e for t in ticks if t.pane == METHOD for e in t.events] == method
+    assert [e for t in ticks if t.pane == BASELINE for e in t.events] == baseline
+    done = [t.pane for t in ticks if any(isinstance(e, Summary) for e in t.events)]
+    assert done == [METHOD, BASELINE]  # the faster run finishes first, as recorded
+
+    began = time.monotonic()
+    list(runs.replay(panes, threading.Event(), speed=4.0, frame=0.05))
+    assert time.monotonic() - began < 0.4
+
+
+def test_replay_stops_when_asked():
+    stop = threading.Event()
+    ticks = []
+    for tick in runs.replay({METHOD: _recorded("pld", 200.0, 10)}, stop, frame=0.05):
+        ticks.append(tick)
+        stop.set()
+    assert len(ticks) == 1
+
+
+def test_pane_assignment_refuses_ambiguous_trace_sets():
+    method = _recorded("pld", 10.0, 1)
+    assert runs.assign_panes([method]) == {METHOD: method}
+    with pytest.raises(SpecGUIError, match="baseline"):
+        runs.assign_panes([method, method])
+    with pytest.raises(SpecGUIError, match="one trace"):
+        runs.assign_panes([method] * 3)
+
+
+def test_model_store_loads_once_per_name_and_replaces(tiny_lm):
+    loads = []
+    store = ModelStore(loader=lambda spec: loads.append(spec.name) or tiny_lm)
+    store.get("tiny-llama")
+    store.get(" tiny-llama ")
+    store.get("")  # empty means the embedded model
+    assert loads == ["tiny-llama", "embedded"]
+
+
+def test_baseline_cache_keeps_finished_runs_only_and_evicts_the_oldest(tiny_lm):
+    cache = BaselineCache(size=2)
+    finished = _recorded("baseline", 10.0, 1)
+    stopped = run(start("baseline"), prefill(), step(1, [], [], 5), stop="cancelled")
+    keys = [BaselineCache.key(tiny_lm, [i], Sampling(), 8) for i in range(3)]
+    cache.put(keys[0], stopped)
+    assert cache.get(keys[0]) is None
+    for key in keys:
+        cache.put(key, finished)
+    assert cache.get(keys[0]) is None and cache.get(keys[2])[0] == finished
+    assert BaselineCache.key(tiny_lm, [1], Sampling(temperature=0.5, seed=1), 8) != keys[1]
+
+
+def test_stop_flags_are_per_session():
+    flags = StopFlags()
+    mine, theirs = flags.fresh("me"), flags.fresh("them")
+    assert flags.stop("me") and mine.is_set() and not theirs.is_set()
+    assert not flags.stop("nobody")

@@ -1,0 +1,163 @@
+"""Events -> view: token kinds and placement, running totals, method payloads (checked), the comparison."""
+
+import pytest
+from ui_helpers import prefill, run, start, step
+
+from specgui.ui.view import (
+    ACCEPTED,
+    BONUS,
+    CORRECTION,
+    DISCARDED,
+    REJECTED,
+    RunView,
+    compare,
+    node_verdicts,
+    parse_internals,
+)
+
+
+def view_of(events) -> RunView:
+    view = RunView()
+    view.extend(events)
+    return view
+
+
+def kinds(view: RunView) -> list[tuple[str, str]]:
+    return [(m.text, m.kind) for m in view.marks]
+
+
+def test_tokens_are_marked_by_how_they_were_produced():
+    view = view_of([
+        start(), prefill(10, "A"),
+        step(1, [11, 12, 13], [0, 1], 14),  # two accepted, 13 rejected, 14 corrects it
+        step(2, [15, 16], [0, 1], 17),  # the whole draft accepted: 17 is a bonus
+        step(3, [], [], 18),  # no draft: the verifier's token alone
+    ])
+    assert kinds(view) == [("A", BONUS), ("<11>", ACCEPTED), ("<12>", ACCEPTED), ("<13>", REJECTED),
+                           ("<14>", CORRECTION), ("<15>", ACCEPTED), ("<16>", ACCEPTED), ("<17>", BONUS),
+                           ("<18>", BONUS)]
+    assert [m.step for m in view.marks] == [0, 1, 1, 1, 1, 2, 2, 2, 3]
+    assert view.token_ids == [10, 11, 12, 14, 15, 16, 17, 18]  # rejected tokens never reach the output
+    assert "".join(view.pieces) == "A<11><12><14><15><16><17><18>"
+
+
+def test_every_rejected_draft_token_is_shown_where_it_was_rejected():
+    view = view_of([start(), prefill(), step(1, [11, 12, 13, 19], [], 14)])
+    assert kinds(view)[1:] == [("<11>", REJECTED), ("<12>", REJECTED), ("<13>", REJECTED), ("<19>", REJECTED),
+                               ("<14>", CORRECTION)]
+
+
+def test_a_budget_cut_step_has_no_verifier_token():
+    view = view_of([start(), prefill(), step(1, [11, 12], [0, 1], 13, emitted=[11, 12], corrected=False)])
+    assert kinds(view)[1:] == [("<11>", ACCEPTED), ("<12>", ACCEPTED)]
+
+
+def test_totals_race_and_rates_while_running_and_after_the_summary():
+    events = run(start(), prefill(ms=99.0), step(1, [11], [0], 12, ms=(1.0, 48.0, 1.0)),
+                 step(2, [13], [], 14, ms=(1.0, 48.0, 1.0)))
+    view = view_of(events[:-1])
+    assert not view.done and view.new_tokens == 4
+    assert view.elapsed_ms == pytest.approx(100 + 50 + 50)
+    assert view.race == [(0.0, 0), (0.1, 1), (0.15, 3), (0.2, 4)]
+    assert view.tokens_per_s == pytest.approx(4 / 0.2)
+    assert view.tau == pytest.approx(1.5) and view.acceptance_rate == pytest.approx(0.5)
+    view.add(events[-1])
+    assert view.done and view.tokens_per_s == events[-1].tokens_per_s and view.tau == events[-1].tau
+    assert view.events == events
+
+
+def test_layer_skip_payloads_become_skip_sets_with_reoptimisation():
+    payload = {"skip": {"attn": [1, 3], "mlp": [2]}, "reoptimized": True, "dp_score": 0.93, "dp_ms": 4.5}
+    internals = parse_internals(payload)
+    assert internals.has_skip and internals.skip_attn == {1, 3} and internals.skip_mlp == {2}
+    assert internals.reoptimized and internals.dp_score == 0.93 and internals.timings == (("dp_ms", 4.5),)
+    assert not parse_internals({}).has_skip and not parse_internals({"reoptimized": "yes"}).reoptimized
+
+
+def test_a_skip_set_stated_once_in_the_prompt_forward_applies_to_every_step():
+    view = view_of([start(), prefill(payload={"skip": {"attn": [0], "mlp": []}, "acs": [0.9, 0.5, 0.7, 0.2]}),
+                    step(1, [11], [0], 12), step(2, [13], [0], 14, payload={"skip": {"attn": [2], "mlp": [1]}})])
+    first, second = view.internals(0), view.internals(1)
+    assert first.skip_attn == {0} and first.acs == (0.9, 0.5, 0.7, 0.2)
+    assert second.skip_attn == {2} and second.skip_mlp == {1}  # a step's own skip set wins
+
+
+def test_fractal_origins_tint_draft_tokens_and_collect_the_layers():
+    payload = {"fractal_layers": [8, 16], "origin": [8, 16, None]}
+    view = view_of([start(layers=24), prefill(payload={"fractal_layers": [8, 16]}),
+                    step(1, [11, 12, 13], [0], 14, payload=payload)])
+    assert view.fractal_layers == [8, 16]
+    assert [(m.kind, m.origin) for m in view.marks[1:]] == [(ACCEPTED, 8), (REJECTED, 16), (REJECTED, None),
+                                                             (CORRECTION, None)]
+
+
+def test_selfdraft_payload_branches_candidates_hit_and_caches():
+    payload = {"branches": [[5, 6], [7]], "candidates": [{"nodes": [0, 1], "source": "context", "key": [3, 4]},
+                                                          {"nodes": [2], "source": "corpus", "key": [9]}],
+               "hit": {"candidate": 1, "tokens": 1}, "cache_sizes": {"context": 12, "corpus": 3000}}
+    internals = parse_internals(payload)
+    assert internals.branches == ((5, 6), (7,))
+    assert [(c.nodes, c.source, c.key) for c in internals.candidates] == [((0, 1), "context", (3, 4)),
+                                                                         ((2,), "corpus", (9,))]
+    assert internals.hit == (1, 1) and internals.cache_sizes == (("context", 12), ("corpus", 3000))
+
+
+def test_malformed_payload_values_are_dropped_not_trusted():
+    payload = {"skip": "all", "origin": ["x", 2], "branches": [[1, "a"], 7], "candidates": [5, {"source": 3}],
+               "hit": {"candidate": "0", "tokens": 1}, "cache_sizes": {"context": "big"}, "exit": {"reason": 7},
+               "fractal_layers": [True], "acs": [float("nan")], "dp_score": "high", "draft_len": 2.5,
+               "mystery": {"a": [1, 2]}, "bad_ms": "slow"}
+    internals = parse_internals(payload)
+    assert not internals.has_skip and internals.origin == () and internals.candidates == ()
+    assert internals.branches == ((),)  # a branch of the wrong shape is empty, the grid keeps its row
+    assert internals.hit is None and internals.cache_sizes == () and internals.exit_reason is None
+    assert internals.fractal_layers == () and internals.acs == () and internals.dp_score is None
+    assert internals.draft_len is None and internals.timings == ()
+    assert ("mystery", '{"a": [1, 2]}') in internals.other
+
+
+def test_exit_and_draft_length_facts():
+    internals = parse_internals({"exit": {"threshold": 0.8, "confidences": [0.95, 0.4], "reason": "threshold"},
+                                 "draft_len": 5, "ngram": 3})
+    assert (internals.exit_threshold, internals.confidences, internals.exit_reason) == (0.8, (0.95, 0.4), "threshold")
+    assert internals.draft_len == 5 and internals.ngram == 3
+
+
+def test_tree_verdicts_accepted_rejected_and_discarded():
+    # root children 0 and 3; 0 -> 1 -> 2; 0 -> 4. Path [0, 4]: 3 and 1 were refused, 2 hung below 1.
+    s = step(1, [11, 12, 13, 14, 15], [0, 4], 16, parents=[-1, 0, 1, -1, 0], corrected=False)
+    verdicts = {n.node: (n.verdict, n.depth) for n in node_verdicts(s)}
+    assert verdicts == {0: (ACCEPTED, 1), 1: (REJECTED, 2), 2: (DISCARDED, 3), 3: (REJECTED, 1), 4: (ACCEPTED, 2)}
+
+
+def _pair(method_steps, baseline_steps, *, temperature=0.0, method="pld"):
+    m = view_of(run(start(method, temperature=temperature), prefill(), *method_steps))
+    b = view_of(run(start("baseline", temperature=temperature), prefill(), *baseline_steps))
+    return m, b
+
+
+def test_identical_runs_and_speedup():
+    m, b = _pair([step(1, [11, 12], [0, 1], 13)], [step(i + 1, [], [], t) for i, t in enumerate((11, 12, 13))])
+    verdict = compare(m, b)
+    assert verdict.identical is True and verdict.divergence is None
+    assert verdict.speedup == pytest.approx(m.tokens_per_s / b.tokens_per_s) and verdict.speedup > 1
+
+
+def test_first_divergence_reports_position_texts_and_margin():
+    m, b = _pair([step(1, [11, 12], [0], 19)],
+                 [step(1, [], [], 11, margins=[3.0]), step(2, [], [], 12, margins=[0.0004])])
+    verdict = compare(m, b)
+    assert verdict.identical is False
+    d = verdict.divergence
+    assert (d.position, d.method_text, d.baseline_text) == (2, "<19>", "<12>")
+    assert d.baseline_margin == 0.0004 and d.near_tie
+
+
+def test_identity_does_not_apply_to_sampling_other_prompts_or_stopped_runs():
+    m, b = _pair([step(1, [], [], 11)], [step(1, [], [], 12)], temperature=0.8)
+    assert compare(m, b).identical is None and "sampling" in compare(m, b).note
+    other = view_of(run(start("baseline", prompt=(9, 9)), prefill(), step(1, [], [], 11)))
+    assert compare(m, other).identical is None and "different" in compare(m, other).note
+    stopped = view_of(run(start(), prefill(), step(1, [], [], 11), stop="cancelled"))
+    greedy_base = view_of(run(start("baseline"), prefill(), step(1, [], [], 11)))
+    assert compare(stopped, greedy_base).note == "a run was stopped before the end"

@@ -1,0 +1,77 @@
+"""UI test helpers: hand-built core events (any payload a method might send, without running that method),
+and the app served on a free port."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from specgui.events import Event, Prefill, Start, Step, summarize
+from specgui.loading import LoadedModel
+from specgui.ui.page import App, launch_options
+from specgui.ui.runs import ModelStore
+
+
+def start(method: str = "pld", *, layers: int = 4, temperature: float = 0.0, prompt: tuple[int, ...] = (1, 2, 3),
+          max_new: int = 16, model: str = "tiny", params: dict[str, Any] | None = None) -> Start:
+    return Start(method=method, model=model, device="cpu", num_layers=layers, params=params or {},
+                 sampling={"temperature": temperature, "top_p": 1.0, "top_k": 0, "seed": None},
+                 max_new_tokens=max_new, prompt_ids=prompt, prompt_text="")
+
+
+def prefill(token: int = 10, piece: str = "A", *, payload: dict[str, Any] | None = None, ms: float = 20.0) -> Prefill:
+    return Prefill(prompt_tokens=3, token=token, piece=piece, margin=2.0, ms=ms, overhead_ms=1.0,
+                   payload=payload or {})
+
+
+def piece(token: int) -> str:
+    return f"<{token}>"
+
+
+def step(index: int, draft: list[int], path: list[int], token: int, *, parents: list[int] | None = None,
+         emitted: list[int] | None = None, corrected: bool | None = None, payload: dict[str, Any] | None = None,
+         pieces: dict[int, str] | None = None, ms: tuple[float, float, float] = (1.0, 50.0, 0.5),
+         margins: list[float] | None = None) -> Step:
+    """A step; by default a chain draft whose path is accepted and whose next node (if any) was rejected."""
+    parents = parents if parents is not None else list(range(-1, len(draft) - 1))
+    if emitted is None:
+        emitted = [draft[i] for i in path] + [token]
+    if corrected is None:
+        tip = path[-1] if path else -1
+        corrected = any(p == tip for p in parents)
+    text = {**{t: piece(t) for t in [*draft, *emitted]}, **(pieces or {})}
+    return Step(index=index, draft_tokens=tuple(draft), draft_parents=tuple(parents),
+                draft_pieces=tuple(text[t] for t in draft), path=tuple(path), token=token, corrected=corrected,
+                emitted=tuple(emitted), emitted_pieces=tuple(text[t] for t in emitted),
+                margins=tuple(margins if margins is not None else [1.0] * len(emitted)),
+                forward_tokens=1 + len(draft), draft_ms=ms[0], verify_ms=ms[1], overhead_ms=ms[2],
+                payload=payload or {})
+
+
+def run(*events: Event, stop: str = "length") -> list[Event]:
+    """`events` (a Start, a Prefill, Steps) closed with the Summary the core would send."""
+    first = next(e for e in events if isinstance(e, Prefill))
+    steps = [e for e in events if isinstance(e, Step)]
+    tokens = (first.token, *(t for s in steps for t in s.emitted))
+    wall = (first.ms + first.overhead_ms + sum(s.draft_ms + s.verify_ms + s.overhead_ms for s in steps)) / 1000
+    text = first.piece + "".join(p for s in steps for p in s.emitted_pieces)
+    return [*events, summarize(steps, first, wall_s=wall, stop=stop, token_ids=tokens, text=text)]
+
+
+@contextmanager
+def served(lm: LoadedModel) -> Iterator[tuple[App, str]]:
+    """The page sharing `lm`, launched on a free port: (app, url)."""
+    store = ModelStore()
+    store.put(lm)
+    app = App(store)
+    demo = app.build().queue(default_concurrency_limit=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **launch_options())
+    try:
+        yield app, f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
