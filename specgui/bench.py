@@ -106,7 +106,7 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
     phase: dict[str, float] = {"draft": s.draft_s * 1000, "verify": s.verify_s * 1000, "overhead": s.overhead_s * 1000}
     for step in steps:
         for key, value in step.payload.items():
-            if key.endswith("_ms") and isinstance(value, (int, float)):
+            if key.endswith(("_ms", "_ratio")) and isinstance(value, (int, float)):
                 phase[key] = phase.get(key, 0.0) + value
                 phase[key + "_count"] = phase.get(key + "_count", 0) + 1
     return Run(row.id, row.category, method, result.token_ids, [s.wall_s], steps=s.steps,
@@ -216,7 +216,8 @@ def report_json(lm, rows, names, runs, *, max_new_tokens, repeats, sampling) -> 
 
 
 def _profile(group: list[Run]) -> dict[str, float]:
-    """Mean ms per verify step of each phase, and the mean of every `*_ms` payload figure per report."""
+    """Mean ms per verify step of each phase, and the mean of every `*_ms` / `*_ratio` payload figure per report
+    (e.g. CLaSp's DP time, Fractal's compressed-vs-full cost ratio)."""
     steps = sum(r.steps for r in group)
     totals: dict[str, float] = {}
     for r in group:
