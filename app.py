@@ -2,20 +2,22 @@
 
 The page lives in `specgui/ui/`; this file only loads the default model up front (so the first visitor
 does not wait for it) and launches with the page's theme and stylesheet. Set GRADIO_SERVER_NAME /
-GRADIO_SERVER_PORT to change where it listens.
+GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL, SPECGUI_ALLOWED_MODELS and
+SPECGUI_PUBLIC set the deployment policy (see specgui/hosting.py).
 """
 
 from __future__ import annotations
 
+# hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
+from specgui import hosting  # noqa: F401  (imported for that side effect; the page reads its policy)
 from specgui.errors import SpecGUIError
-from specgui.loading import EMBEDDED
 from specgui.ui.page import App, launch_options
 
 
 def main() -> None:
     app = App()
     try:
-        app.store.get(EMBEDDED)
+        app.store.get(app.default_model)
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
         print(f"warning: {exc}")
     app.build().queue(default_concurrency_limit=1).launch(**launch_options())

@@ -123,6 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     methods.get(args.method)
     sampling = _sampling(args)
     overrides = _overrides(args.param, scoped=False)
+    device = args.device if args.device != "auto" else "cpu"  # presets per device; ranges are the same
+    methods.params_for(args.method, args.model, device.split(":")[0], overrides)  # before the model loads
     if not args.prompt.strip():
         raise SpecGUIError("the prompt is empty: pass some text with --prompt")
     if args.trace:

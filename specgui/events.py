@@ -235,6 +235,18 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     raise SpecGUIError(f"trace field {where} has the wrong type ({type(value).__name__})")
 
 
+def check_step(step: Step) -> None:
+    """Refuse a step whose parts do not fit together (a trace is untrusted: front ends index by these)."""
+    n = step.drafted
+    if len(step.draft_parents) != n or len(step.draft_pieces) != n or len(step.emitted_pieces) != len(step.emitted):
+        raise SpecGUIError(f"trace step {step.index}: draft or emitted lists differ in length")
+    if any(not -1 <= parent < i for i, parent in enumerate(step.draft_parents)):
+        raise SpecGUIError(f"trace step {step.index}: a draft node's parent is not an earlier node")
+    if any(not 0 <= node < n or step.draft_parents[node] != parent
+           for node, parent in zip(step.path, (-1, *step.path))):
+        raise SpecGUIError(f"trace step {step.index}: the accepted path is not a path through the draft")
+
+
 def dumps_trace(events: list[Event]) -> str:
     return json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION, "events": [to_json(e) for e in events]})
 
@@ -252,6 +264,9 @@ def loads_trace(text: str | bytes) -> list[Event]:
     if data.get("version") != TRACE_VERSION:
         raise SpecGUIError(f"unsupported trace version {data.get('version')!r} (this build reads {TRACE_VERSION})")
     events = [from_json(e) for e in data["events"]]
+    for event in events:
+        if isinstance(event, Step):
+            check_step(event)
     if not events or not isinstance(events[0], Start) or sum(isinstance(e, Start) for e in events) != 1:
         raise SpecGUIError("trace must begin with exactly one start event")
     return events

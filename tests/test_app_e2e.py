@@ -1,5 +1,10 @@
-"""End to end on the embedded model: the served app's `generate` API through gradio_client, and the page's
-run and replay handlers with their streamed updates and final summary."""
+"""End to end on the embedded model: the served app's `generate` API through gradio_client (one client, then
+several at once, then a cancelled one), and the page's run and replay handlers with their streamed updates
+and final summary."""
+
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from gradio_client import Client
@@ -72,3 +77,57 @@ def test_page_reports_bad_input_in_the_status_line(served):
     app, _ = served
     assert "empty" in run_page(app, "pld", prompt="   ")[-1][app.status]
     assert "sg-status-error" in list(app.replay(None, 1.0))[-1][app.status]
+
+
+LOAD_PROMPTS = ["Name three colours.", "Count from one to ten in words.", "What is the capital of France?",
+                "Write the alphabet in capitals.", "Say hello in German, French and Spanish."]
+LOAD_TOKENS = 16
+
+
+def watch(job, seen: dict) -> list[dict]:
+    """Consume a streaming job, noting in `seen` when its first and its last event arrived."""
+    events = []
+    for event in job:
+        seen.setdefault("first", time.monotonic())
+        events.append(event)
+    seen["last"] = time.monotonic()
+    return events
+
+
+def test_concurrent_api_clients_each_get_their_own_complete_result_one_at_a_time(served, embedded_lm):
+    _, url = served
+    clients = [Client(url, verbose=False) for _ in LOAD_PROMPTS]
+    jobs = [c.submit(p, "pld", LOAD_TOKENS, 0.0, api_name="/generate") for c, p in zip(clients, LOAD_PROMPTS)]
+    ranks: set[int] = set()
+    seen = [{} for _ in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = [pool.submit(watch, job, s) for job, s in zip(jobs, seen)]
+        while not all(r.done() for r in results):
+            ranks.update(j.status().rank or 0 for j in jobs)
+            time.sleep(0.05)
+        outputs = [r.result() for r in results]
+    for prompt, events in zip(LOAD_PROMPTS, outputs):
+        ids = encode_prompt(embedded_lm.tokenizer, prompt)
+        assert events[0]["type"] == "start" and events[-1]["type"] == "summary"
+        assert list(events[0]["prompt_ids"]) == ids and events[0]["prompt_text"] == prompt
+        baseline = decode.run(embedded_lm, ids, "baseline", max_new_tokens=LOAD_TOKENS)
+        assert events[-1]["token_ids"] == baseline.token_ids and events[-1]["text"] == baseline.summary.text
+    spans = sorted((s["first"], s["last"]) for s in seen)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # concurrency 1: the runs never overlapped
+    assert max(ranks) >= 1  # clients were told their place in the queue
+
+
+def test_a_cancelled_api_run_frees_the_queue_for_the_next(served):
+    app, url = served
+    client = Client(url, verbose=False)
+    job = client.submit(PROMPT, "baseline", 1000, 0.0, api_name="/generate")
+    while len(job.outputs()) < 3:
+        time.sleep(0.05)
+    job.cancel()
+    deadline = time.monotonic() + 5  # the rest of the 1000 tokens would take half a minute or more
+    while not app.store.busy.acquire(blocking=False):
+        assert time.monotonic() < deadline, "the cancelled run still holds the model"
+        time.sleep(0.05)
+    app.store.busy.release()
+    last = client.predict(PROMPT, "pld", 8, 0.0, api_name="/generate")  # a stream's predict: its last event
+    assert last["type"] == "summary" and last["new_tokens"] == 8

@@ -2,8 +2,10 @@
 
 Runs every registered method on a summarisation prompt, checks coloured accepted / rejected tokens, the
 layer strip, the summary, the step inspector, the rejected-token toggle and the dark theme, and that
-the page fetched nothing from outside the machine (no CDN). Screenshots go to the test's tmp folder;
-with SPECGUI_SCREENSHOT=path the pld run's screenshot is also written there (the README's picture).
+the page fetched nothing from outside the machine (no CDN); that a replayed trace's hostile token text
+shows as text and runs nothing; and that a second visitor sees their place in the queue. Screenshots go
+to the test's tmp folder; with SPECGUI_SCREENSHOT=path the pld run's screenshot is also written there
+(the README's picture).
 """
 
 import os
@@ -12,13 +14,15 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, sync_playwright
-from ui_helpers import served
+from ui_helpers import prefill, run, served, start, step
 
 from specgui import methods
+from specgui.events import save_trace
 
 CHROMIUM = "/usr/bin/chromium"
 TOKENS = 32
 TIMEOUT_MS = 180_000
+HOSTILE = ("<script>alert(1)</script>", "<img src=x onerror=alert(1)>")
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +125,44 @@ def test_dark_theme_recolours_tokens(browser_page, tmp_path):
     assert page.evaluate("document.body.classList.contains('dark')")
     assert accepted_colour() != light
     page.screenshot(path=tmp_path / "dark.png")
+
+
+def test_hostile_trace_text_shows_as_text_and_runs_nothing(browser_page, tmp_path):
+    page, _, _ = browser_page
+    dialogs = []
+    page.on("dialog", lambda d: dialogs.append(d.message) or d.dismiss())
+    pieces = {11: HOSTILE[0], 12: HOSTILE[1], 13: " ok"}
+    trace = tmp_path / "hostile.json"
+    save_trace(run(start("pld"), prefill(10, "A"), step(1, [11, 12], [0], 13, pieces=pieces)), trace)
+    page.get_by_text("Trace: download or replay").click()
+    page.locator("#sg-trace-in input[type=file]").set_input_files(trace)
+    page.wait_for_selector("#sg-trace-in :text('hostile.json')")
+    page.click("#sg-replay")
+    page.wait_for_function("document.querySelector('#sg-status').innerText.includes('replay of a trace')",
+                           timeout=60_000)
+    page.wait_for_function("document.querySelector('#sg-status').innerText.startsWith('done')", timeout=60_000)
+    shown = page.locator("#sg-method-tokens").inner_text()
+    assert HOSTILE[0] in shown and HOSTILE[1] in shown
+    assert page.locator("#sg-method-tokens img, #sg-method-tokens script, #sg-inspector img").count() == 0
+    page.wait_for_timeout(500)  # an injected onerror would have fired by now
+    assert dialogs == []
+
+
+def test_a_waiting_visitor_sees_their_place_in_the_queue(browser_page):
+    first, url, _ = browser_page
+    second = first.context.browser.new_page(viewport={"width": 1400, "height": 1000})  # another visitor
+    second.goto(url)
+    second.wait_for_selector("#sg-run")
+    choose(first, "#sg-method", "pld")
+    first.locator("#sg-max-new input[type=number]").fill("600")
+    first.locator("#sg-max-new input[type=number]").press("Enter")
+    first.click("#sg-run")
+    first.wait_for_function("document.querySelectorAll('#sg-method-tokens .sg-tok').length > 4", timeout=TIMEOUT_MS)
+    second.click("#sg-run")
+    second.wait_for_function("/queue: 1\\/1/.test(document.querySelector('#sg-status').innerText)", timeout=30_000)
+    first.click("#sg-stop")
+    second.wait_for_function("document.querySelectorAll('#sg-method-tokens .sg-tok').length > 0", timeout=TIMEOUT_MS)
+    assert "queue:" not in second.locator("#sg-status").inner_text()
+    second.click("#sg-stop")
+    second.wait_for_function("document.querySelector('#sg-status').innerText.startsWith('stopped')", timeout=60_000)
+    second.close()

@@ -46,6 +46,8 @@ def test_bench_writes_json(tmp_path, embedded_lm):
     (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "top-p"),
     (["generate", "--prompt", "hi", "--param", "nokey"], "KEY=VALUE"),
+    (["generate", "--prompt", "hi", "--method", "pld", "--param", "num_draft=-3"], "num_draft must be >= 1"),
+    (["generate", "--prompt", "hi", "--method", "pld", "--param", "num_draft=99999"], "num_draft must be <= 64"),
     (["generate", "--prompt", "hi", "--model", "/no/such/model"], "no such model directory"),
     (["generate", "--prompt", "hi", "--trace", "/no/such/dir/t.json"], "does not exist"),
     (["generate"], "required"),

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from specgui import bench
+from specgui import bench, hosting
 from specgui.errors import SpecGUIError
 from specgui.loading import LoadedModel
 from specgui.prompts import PromptRow
@@ -41,6 +41,7 @@ def pick_rows(rows: list[PromptRow], category: str, per_category: int) -> list[P
     return out
 
 
+@hosting.gpu(duration=300)  # a suite is many runs: one GPU slice for all of them
 def run_suite(lm: LoadedModel, rows: list[PromptRow], names: list[str], *, max_new_tokens: int, repeats: int,
               sampling: Sampling, progress: Callable[[int, int], None], stop: threading.Event) -> dict[str, Any]:
     """Bench `names` (baseline added) on `rows`; `progress(done, total)` after every run."""

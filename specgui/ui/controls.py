@@ -9,6 +9,7 @@ the chosen method's is visible: gradio's layout is fixed when the page is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,16 +115,28 @@ def sampling_from(mode: str, temperature: float, top_p: float, seed: float | Non
     """Decoding settings from the panel: greedy ignores temperature; an empty seed means fresh entropy."""
     if mode == "greedy":
         return Sampling()
-    if not temperature or temperature <= 0:
+    temperature = number(temperature, "temperature")
+    if temperature <= 0:
         raise SpecGUIError("sampling needs a temperature above 0 (or choose greedy)")
-    return Sampling(temperature=float(temperature), top_p=float(top_p),
-                    seed=None if seed is None or seed == "" else int(seed))
+    return Sampling(temperature=temperature, top_p=number(top_p, "top-p"),
+                    seed=None if seed is None or seed == "" else int(number(seed, "seed")))
 
 
-def clamp_tokens(value: float) -> tuple[int, str]:
+def number(value: Any, what: str) -> float:
+    """A finite number from a widget or an API caller (who may send anything), or a one-line error."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise SpecGUIError(f"{what} must be a number, got {str(value)[:40]!r}") from None
+    if not math.isfinite(x):
+        raise SpecGUIError(f"{what} must be a finite number, got {x}")
+    return x
+
+
+def clamp_tokens(value: Any) -> tuple[int, str]:
     """Max new tokens as an int within the app's cap, and a note when the request was capped."""
     cap = max_new_tokens_cap()
-    n = int(value)
+    n = int(min(number(value, "max new tokens"), cap + 1))
     if n < 1:
         raise SpecGUIError(f"max new tokens must be at least 1, got {n}")
     return (cap, f"max new tokens capped at {cap} in the app") if n > cap else (n, "")

@@ -2,15 +2,24 @@
 
 `App` owns the shared model (`ModelStore`), the baseline cache and the per-session stop flags; `build`
 lays out the Live and Compare tabs and wires them. Every model-using event shares one concurrency
-group of size 1 (and `ModelStore.busy`), so runs queue instead of sharing the device; Stop skips the
-queue. A live run and a replay feed the same `_frames`, which redraws text every frame (twice a second)
-and the charts every `CHART_S` seconds and at the end.
+group of size 1 (and `ModelStore.busy`), so runs queue instead of sharing the device, and the status
+line shows a waiting visitor's place in the queue; Stop skips the queue. A live run and a replay feed
+the same `_frames`, which redraws text every frame (twice a second) and the charts every `CHART_S`
+seconds and at the end.
+
+Visitors' input is untrusted: the model they name passes `hosting.check_model_request`, numbers are
+parsed and bounded here, traces are size-capped and schema-checked data (and on a public deployment
+only gradio's own upload files are read). Any failure is one line in the status (or a `gr.Error` for
+the API); a failure that is not a `SpecGUIError` is a bug, logged with its traceback on the server.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import logging
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -20,11 +29,11 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import methods
+from specgui import hosting, methods
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
-from specgui.events import load_trace, save_trace, to_json
-from specgui.loading import EMBEDDED, EMBEDDED_NAME, resolve_device
+from specgui.events import MAX_TRACE_BYTES, load_trace, save_trace, to_json
+from specgui.loading import EMBEDDED, EMBEDDED_NAME, LoadedModel, resolve_device
 from specgui.prompts import load_prompts
 from specgui.sampling import Sampling
 from specgui.text import encode_prompt
@@ -34,6 +43,8 @@ from specgui.ui.view import RunView, TokenText
 from specgui.ui.view import compare as compare_views
 
 ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
+KEEP_TRACES = 64  # runs whose trace files stay on disk (gradio serves its own copies, cleaned by delete_cache)
+GRADIO_CACHE = (3600, 3600)  # delete gradio's cached files older than an hour, hourly
 CHART_S = 4.0  # charts are whole-figure updates (costly in the browser): redraw this often mid-run
 API_FRAME_S = 0.05
 INTRO = """# SpecGUI
@@ -42,10 +53,27 @@ decode the same prompt with the same settings **one after the other, never at on
 decoding only (drawing the page is not counted)."""
 PROGRESS = gr.Progress()  # gradio's marker default: it injects a live tracker into the handler
 HIDE_REJECTED_JS = "(show) => { document.body.classList.toggle('sg-hide-rejected', !show); return show; }"
+LOG = logging.getLogger("specgui.app")
 
 
 def _session(request: gr.Request | None) -> str:
     return getattr(request, "session_hash", None) or "local"
+
+
+def _failure(exc: Exception) -> str:
+    """The one line a visitor sees for a failed request; a non-SpecGUIError is a bug, logged in full."""
+    if isinstance(exc, SpecGUIError):
+        return str(exc)
+    LOG.error("unexpected error in a handler", exc_info=exc)
+    return f"unexpected error ({type(exc).__name__}); the details are in the server log"
+
+
+def _upload_path(file: Any) -> str:
+    """The path of an uploaded file; on a public deployment only files inside gradio's upload folder."""
+    path = str(getattr(file, "path", None) or getattr(file, "name", None) or file)
+    if hosting.is_public() and not Path(path).resolve().is_relative_to(Path(gr.utils.get_upload_folder()).resolve()):
+        raise SpecGUIError("only uploaded trace files can be replayed on this deployment")
+    return path
 
 
 class App:
@@ -53,16 +81,18 @@ class App:
 
     def __init__(self, store: ModelStore | None = None) -> None:
         self.store = store or ModelStore()
+        self.default_model = hosting.default_model()
         self.cache = BaselineCache()
         self.stops = runs.StopFlags()
         self.examples = {e.label: e for e in controls.examples()}
         self.device = resolve_device("auto").type
         self.defaults = decoding_defaults()
+        self.trace_root = Path(tempfile.mkdtemp(prefix="specgui-traces-"))
 
     # -- layout ---------------------------------------------------------------------------------------
 
     def build(self) -> gr.Blocks:
-        with gr.Blocks(title="SpecGUI") as demo:
+        with gr.Blocks(title="SpecGUI", delete_cache=GRADIO_CACHE) as demo:
             gr.Markdown(INTRO)
             with gr.Tabs():
                 with gr.Tab("Live", id="live"):
@@ -79,11 +109,11 @@ class App:
         first = next((n for n in names if n != "baseline"), names[0])
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=320):
-                self.model = gr.Textbox(EMBEDDED, label="Model", elem_id="sg-model",
-                                        info="'embedded' (SmolLM2-135M-Instruct), a hub id or a local directory")
+                self.model = gr.Textbox(self.default_model, label="Model", elem_id="sg-model", info=_model_help())
                 self.method = gr.Dropdown(names, value=first, label="Method", elem_id="sg-method")
                 with gr.Accordion("Method parameters (presets from configs/)", open=False):
-                    self.panel = controls.param_panel(self._preset_model(EMBEDDED), self.device, shown=first)
+                    self.panel = controls.param_panel(self._preset_model(self.default_model), self.device,
+                                                      shown=first)
                 with gr.Accordion("Decoding", open=True):
                     self.mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Mode")
                     with gr.Group(visible=False) as sampling_box:
@@ -143,10 +173,10 @@ class App:
         self.show_rejected.change(None, self.show_rejected, None, js=HIDE_REJECTED_JS, queue=False)
         inputs = [self.model, self.method, self.mode, self.temperature, self.top_p, self.seed, self.max_new,
                   self.example, self.prompt, *self.panel.components]
-        self.run_button.click(self._run_clicked, inputs, self._outputs(), concurrency_id="model", concurrency_limit=1,
-                              api_name="run", show_progress="hidden")
-        self.replay_button.click(self.replay, [self.trace_in, self.speed], self._outputs(), concurrency_id="model",
-                                 concurrency_limit=1, api_name="replay", show_progress="hidden")
+        queued = {"concurrency_id": "model", "concurrency_limit": 1, "show_progress": "minimal",
+                  "show_progress_on": self.status}  # the status line shows "queue: i/n" while waiting
+        self.run_button.click(self._run_clicked, inputs, self._outputs(), api_name="run", **queued)
+        self.replay_button.click(self.replay, [self.trace_in, self.speed], self._outputs(), api_name="replay", **queued)
         self.stop_button.click(self.stop, None, None, queue=False, api_name="stop")
         self.step.change(self.inspect, [self.step, self.views], self.inspector, queue=False, show_progress="hidden")
 
@@ -180,10 +210,19 @@ class App:
 
     # -- small handlers -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _preset_model(name: str) -> str:
-        name = name.strip() or EMBEDDED
+    def _preset_model(self, name: str) -> str:
+        name = name.strip() or self.default_model
         return EMBEDDED_NAME if name == EMBEDDED else name.rstrip("/")
+
+    def _checked_model(self, name: Any) -> str:
+        """The model a visitor named (blank: the default), refused where this deployment does not serve it."""
+        name = str(name or "").strip() or self.default_model
+        hosting.check_model_request(name)
+        return name
+
+    def _loaded(self) -> LoadedModel:
+        """The shared model for handlers that take no model name: the current one, else the default."""
+        return self.store.current or self.store.get(self.default_model)
 
     def _presets(self, model: str) -> list[Any]:
         return self.panel.presets(self._preset_model(model), self.device)
@@ -220,13 +259,16 @@ class App:
             max_new: float, example: str | None, prompt: str, *params: Any, session: str = "local") -> Iterator[dict]:
         """Live: the method, then baseline, streamed into the panes; then the summary and the traces."""
         try:
+            model = self._checked_model(model)
             n, note = controls.clamp_tokens(max_new)
+            overrides = self.panel.overrides(method, list(params))
+            methods.params_for(method, self._preset_model(model), self.device, overrides)  # ranges, before queueing
             req = RunRequest(method=methods.get(method).name, prompt=controls.prompt_for(prompt,
                              self.examples.get(example or "")), max_new_tokens=n,
                              sampling=controls.sampling_from(mode, temperature, top_p, seed),
-                             params=self.panel.overrides(method, list(params)), model=model, prompt_text=prompt)
-        except SpecGUIError as exc:
-            yield {self.status: render.status(str(exc), "error")}
+                             params=overrides, model=model, prompt_text=prompt)
+        except Exception as exc:
+            yield {self.status: render.status(_failure(exc), "error")}
             return
         stop = self.stops.fresh(session)
         yield from self._frames(runs.live(self.store, self.cache, req, stop), note, live=True)
@@ -236,9 +278,11 @@ class App:
         try:
             if not files:
                 raise SpecGUIError("choose one or two trace files first")
-            panes = runs.assign_panes([load_trace(getattr(f, "name", f)) for f in files])
-        except SpecGUIError as exc:
-            yield {self.status: render.status(str(exc), "error")}
+            runs.check_trace_count(len(files))
+            panes = runs.assign_panes([load_trace(_upload_path(f)) for f in files])
+            speed = controls.number(speed, "replay speed")
+        except Exception as exc:
+            yield {self.status: render.status(_failure(exc), "error")}
             return
         stop = self.stops.fresh(_session(request))
         start = panes[METHOD][0]
@@ -252,6 +296,8 @@ class App:
         token_text: TokenText | None = None
         try:
             for tick in ticks:
+                if tick.note:
+                    note = " · ".join(filter(None, (note, tick.note)))
                 if tick.status:
                     yield {self.status: render.status(tick.status, "busy")}
                     continue
@@ -271,8 +317,8 @@ class App:
                         update.update(self._method_charts(view))
                         last_charts = time.monotonic()
                 yield update
-        except SpecGUIError as exc:
-            yield {self.status: render.status(str(exc), "error")}
+        except Exception as exc:
+            yield {self.status: render.status(_failure(exc), "error")}
             return
         yield self._final(views, note, token_text)
 
@@ -313,10 +359,11 @@ class App:
         update[self.trace_out] = self._save_traces(views) or None
         return update
 
-    @staticmethod
-    def _save_traces(views: dict[str, RunView]) -> list[str]:
-        """Each pane's events as a core trace file: trace-<pane>-<method>.json."""
-        folder = Path(tempfile.mkdtemp(prefix="specgui-trace-"))
+    def _save_traces(self, views: dict[str, RunView]) -> list[str]:
+        """Each pane's events as a core trace file: trace-<pane>-<method>.json (the oldest runs' are deleted)."""
+        for old in sorted(self.trace_root.iterdir(), key=lambda d: d.stat().st_mtime)[:-KEEP_TRACES + 1]:
+            shutil.rmtree(old, ignore_errors=True)
+        folder = Path(tempfile.mkdtemp(dir=self.trace_root))
         paths = []
         for pane, view in views.items():
             if view.start is not None:
@@ -332,20 +379,21 @@ class App:
         stop = self.stops.fresh(_session(request) + "/compare")
         try:
             rows = compare.pick_rows(load_prompts(), category, int(per_category))
-            lm = self.store.current or self.store.get(EMBEDDED)
+            lm = self._loaded()
             counts: queue.SimpleQueue = queue.SimpleQueue()  # (done, total) from the device thread
             with self.store.busy:
-                job = runs.DEVICE.submit(compare.run_suite, lm, rows, list(names or []), max_new_tokens=int(max_new),
-                                         repeats=int(repeats), sampling=Sampling(), stop=stop,
+                job = runs.DEVICE.submit(contextvars.copy_context().run, compare.run_suite, lm, rows,
+                                         list(names or []), max_new_tokens=int(max_new), repeats=int(repeats),
+                                         sampling=Sampling(), stop=stop,
                                          progress=lambda done, total: counts.put((done, total)))
                 while not job.done():
                     with contextlib.suppress(queue.Empty):
                         progress(counts.get(timeout=0.2), desc="runs", unit="runs")
                 report = job.result()
-        except SpecGUIError as exc:
-            return render.status(str(exc), "error"), gr.skip(), gr.skip()
         except compare.Stopped:
             return render.status("stopped"), gr.skip(), gr.skip()
+        except Exception as exc:
+            return render.status(_failure(exc), "error"), gr.skip(), gr.skip()
         message = (f"{len(rows)} prompts × {len(report['methods'])} methods on {report['model']} ({report['device']}), "
                    f"max {report['max_new_tokens']} new tokens, median of {report['repeats']}")
         return render.status(message), compare.table(report), charts.compare_chart(report)
@@ -356,23 +404,33 @@ class App:
                      temperature: float = 0.0) -> Iterator[dict]:
         """Stream one generation as JSON events: start, prefill, one per draft -> verify step, summary."""
         try:
+            method = methods.get(str(method)).name
             n, _ = controls.clamp_tokens(max_new_tokens)
-            sampling = Sampling(temperature=float(temperature))
-            lm = self.store.current or self.store.get(EMBEDDED)
+            sampling = Sampling(temperature=controls.number(temperature, "temperature"))
+            if not isinstance(prompt, str):
+                raise SpecGUIError("the prompt must be text")
+            lm = self._loaded()
             ids = encode_prompt(lm.tokenizer, prompt)
-            methods.get(method)
-        except SpecGUIError as exc:
-            raise gr.Error(str(exc)) from None
+            n, _ = runs.fit_context(lm, ids, n)  # the start event states the budget that ran
+        except Exception as exc:
+            raise gr.Error(_failure(exc)) from None
         request = RunRequest(method=method, prompt=prompt, max_new_tokens=n, sampling=sampling, prompt_text=prompt)
         with self.store.busy:
             worker = Worker(runs.decode_source(lm, ids, method, request), threading.Event())
             try:
                 for batch in worker.batches(API_FRAME_S):
                     yield from (to_json(event) for event in batch)
-            except SpecGUIError as exc:
-                raise gr.Error(str(exc)) from None
+            except Exception as exc:
+                raise gr.Error(_failure(exc)) from None
+
+
+def _model_help() -> str:
+    if hosting.is_public():
+        return "this deployment serves: " + ", ".join(hosting.allowed_models())
+    return "'embedded' (SmolLM2-135M-Instruct), a hub id or a local directory"
 
 
 def launch_options() -> dict[str, Any]:
-    """Theme and stylesheet for `launch` (gradio 6 takes them there): local fonts, no CDN."""
-    return {"css_paths": [ASSETS / "app.css"], "theme": gr.themes.Default()}
+    """Theme and stylesheet for `launch` (gradio 6 takes them there): local fonts, no CDN; uploads are
+    refused above the trace size cap before they reach a handler."""
+    return {"css_paths": [ASSETS / "app.css"], "theme": gr.themes.Default(), "max_file_size": MAX_TRACE_BYTES}

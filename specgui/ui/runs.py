@@ -9,7 +9,9 @@
   baseline), so no other run slips in between or shares the device.
 - `Worker` runs `decode.generate` on `DEVICE` and hands events over through a queue; the page drains
   it in batches every few hundred milliseconds. The core's clock only counts time inside the
-  generator, and the generator never waits for the page, so rendering cannot slow a method down.
+  generator, and the generator never waits for the page, so rendering cannot slow a method down. The
+  decode goes through `hosting.gpu` (a ZeroGPU slice on Spaces, a no-op elsewhere), and the submitting
+  request's context travels to `DEVICE` with it.
 - `live` runs the method, then baseline (or reuses baseline's events from `BaselineCache` for the same
   model, prompt ids and settings) and yields `Tick`s; `replay` yields a recorded trace's events at the
   recorded pace, so a demo runs where no model can be loaded.
@@ -17,6 +19,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import gc
 import queue
 import threading
@@ -28,7 +32,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgui import decode
+from specgui import decode, hosting
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary
 from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
@@ -48,6 +52,7 @@ class Tick:
     events: list[Event] = field(default_factory=list)
     cached_at: float | None = None  # baseline's events came from the cache (recorded then)
     status: str = ""
+    note: str = ""  # something about the whole run the final status must repeat (a cut budget)
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,8 @@ class Worker:
         self._cancel = threading.Event()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.events: list[Event] = []
-        self._future: Future = DEVICE.submit(self._run)
+        # gradio's request context (which ZeroGPU's scheduler reads) does not cross threads by itself
+        self._future: Future = DEVICE.submit(contextvars.copy_context().run, self._run)
 
     def _should_stop(self) -> bool:
         return self._stop.is_set() or self._cancel.is_set()
@@ -208,12 +214,29 @@ class StopFlags:
         return flag is not None
 
 
+@hosting.gpu
+def gpu_decode(lm: LoadedModel, ids: list[int], method: str, **kwargs: Any) -> Iterator[Event]:
+    """`decode.generate`: the model's work, the one generator that holds a GPU slice on ZeroGPU."""
+    yield from decode.generate(lm, ids, method, **kwargs)
+
+
 def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequest) -> EventSource:
-    """`decode.generate` for `method` as a Worker source (the request's parameters apply to its own method)."""
+    """`gpu_decode` for `method` as a Worker source (the request's parameters apply to its own method)."""
     params = request.params if method == request.method else None
-    return lambda should_stop: decode.generate(lm, ids, method, max_new_tokens=request.max_new_tokens,
-                                               sampling=request.sampling, params=params,
-                                               prompt_text=request.prompt_text, should_stop=should_stop)
+    return lambda should_stop: gpu_decode(lm, ids, method, max_new_tokens=request.max_new_tokens,
+                                          sampling=request.sampling, params=params,
+                                          prompt_text=request.prompt_text, should_stop=should_stop)
+
+
+def fit_context(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> tuple[int, str]:
+    """Max new tokens cut to what the model's context holds after the prompt, and a note when cut."""
+    room = lm.max_context - len(ids)
+    if room < 1:
+        raise SpecGUIError(f"the prompt is {len(ids)} tokens but the model's context holds {lm.max_context}: "
+                           "shorten the prompt")
+    if max_new_tokens > room:
+        return room, f"max new tokens cut to {room} to fit the model's context of {lm.max_context} tokens"
+    return max_new_tokens, ""
 
 
 def _ticks(worker: Worker, pane: str) -> Iterator[Tick]:
@@ -228,6 +251,10 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
         yield Tick(status=f"loading model {request.model} …")
     lm = store.get(request.model)
     ids = encode_prompt(lm.tokenizer, request.prompt)
+    max_new, note = fit_context(lm, ids, request.max_new_tokens)
+    if note:
+        request = dataclasses.replace(request, max_new_tokens=max_new)
+        yield Tick(status=note, note=note)
     key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens)
     with store.busy:
         worker = Worker(decode_source(lm, ids, request.method, request), stop)
@@ -246,10 +273,15 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
         cache.put(key, worker.events)
 
 
+def check_trace_count(n: int) -> None:
+    """One or two traces: checked before reading any, so a pile of uploads is refused unread."""
+    if not 1 <= n <= 2:
+        raise SpecGUIError("load one trace, or a method trace and a baseline trace")
+
+
 def assign_panes(traces: list[list[Event]]) -> dict[str, list[Event]]:
     """One trace plays in the method pane; with two, the baseline trace goes to the baseline pane."""
-    if not 1 <= len(traces) <= 2:
-        raise SpecGUIError("load one trace, or a method trace and a baseline trace")
+    check_trace_count(len(traces))
     if len(traces) == 1:
         return {METHOD: traces[0]}
     starts = [t[0] for t in traces]

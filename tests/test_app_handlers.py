@@ -1,0 +1,323 @@
+"""The page's handlers (App.run / replay / generate_api) on the tiny model: every bad input is one line in the
+status (or one gr.Error for the API) and the next run still works; the deployment policy; Stop; memory over
+many runs; hostile trace text stays text; ZeroGPU wiring (a stand-in `spaces` package, in a subprocess)."""
+
+import gc
+import html
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import gradio as gr
+import psutil
+import pytest
+from transformers import GPT2Config
+from ui_helpers import prefill, run, start, step
+
+from specgui.events import MAX_TRACE_BYTES, dumps_trace, save_trace
+from specgui.ui.page import KEEP_TRACES, App
+from specgui.ui.runs import ModelStore
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "abcdeabcdeabcdeabcd"  # the tiny model's letter tokenizer; repeats give prompt lookup matches
+MODEL = "tiny-llama"
+HOSTILE = ("<script>alert(1)</script>", "<img src=x onerror=alert(1)>")
+POLICY = ("SPECGUI_DEFAULT_MODEL", "SPECGUI_ALLOWED_MODELS", "SPECGUI_PUBLIC")
+# Measured: the first 25 runs after warm-up grow RSS by 5-13 MB (allocator pools), the next 25 by 0-0.2 MB.
+RSS_BOUND_MB = 30
+RSS_PLATEAU_MB = 6
+
+
+@pytest.fixture(scope="module")
+def app(tiny_lm):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECGUI_DEFAULT_MODEL", MODEL)
+        store = ModelStore()  # the real loader: named models really load (or fail to)
+        store.put(tiny_lm)
+        page = App(store)
+        page.build()
+        yield page
+
+
+@pytest.fixture(autouse=True)
+def private_deployment(app, tiny_lm, monkeypatch):
+    """Each test starts on a private deployment serving the tiny model (a failed load drops the model)."""
+    for name in POLICY:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPECGUI_DEFAULT_MODEL", MODEL)
+    app.store.put(tiny_lm)
+
+
+def run_page(app: App, prompt: str = PROMPT, *, model: str = MODEL, method: str = "pld", max_new=16,
+             mode: str = "greedy", temperature=0.7, params: dict | None = None) -> list[dict]:
+    values = app.panel.presets(MODEL, app.device)
+    for i, key in enumerate(app.panel.keys):
+        if key[0] == method and key[1] in (params or {}):
+            values[i] = params[key[1]]
+    return list(app.run(model, method, mode, temperature, 1.0, None, max_new, None, prompt, *values))
+
+
+def error_line(app: App, updates: list[dict]) -> str:
+    """The page's last status must be one error line (no traceback); returns its text."""
+    status = updates[-1][app.status]
+    assert "sg-status-error" in status and "Traceback" not in status and "\n" not in status, status
+    return html.unescape(status)
+
+
+def assert_still_serves(app: App) -> None:
+    final = run_page(app)[-1]
+    assert final[app.status].endswith("done</div>") and "identical to baseline" in final[app.summary]
+
+
+def api_error(app: App, *args) -> str:
+    with pytest.raises(gr.Error) as caught:
+        list(app.generate_api(*args))
+    message = str(caught.value.message)
+    assert "Traceback" not in message and "\n" not in message
+    return message
+
+
+# -- input checks -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n\t "])
+def test_empty_prompt(app, prompt):
+    assert "prompt is empty" in error_line(app, run_page(app, prompt))
+    assert "prompt is empty" in api_error(app, prompt, "pld", 8, 0.0)
+
+
+def test_prompt_longer_than_the_context(app):
+    long = "abcde" * 220  # 1100 tokens; the tiny model's context is 1024
+    assert "context holds 1024" in error_line(app, run_page(app, long))
+    assert "context holds 1024" in api_error(app, long, "pld", 8, 0.0)
+    assert_still_serves(app)
+
+
+def test_a_budget_past_the_context_is_cut_and_the_page_says_so(app):
+    prompt = "abcde" * 200  # 1000 tokens: 24 fit
+    final = run_page(app, prompt, max_new=1000)[-1]
+    assert "max new tokens cut to 24 to fit the model's context of 1024 tokens" in html.unescape(final[app.status])
+    assert final[app.status].startswith('<div class="sg-status sg-status-info">done')
+    assert final[app.views]["method"].summary.new_tokens == 24
+    events = list(app.generate_api(prompt, "pld", 1000, 0.0))
+    assert events[0]["max_new_tokens"] == 24 and events[-1]["new_tokens"] == 24
+
+
+@pytest.mark.parametrize("value, message", [(0, "at least 1"), (-5, "at least 1"), (float("nan"), "finite"),
+                                            ("lots", "must be a number"), (None, "must be a number")])
+def test_max_new_tokens_out_of_range(app, value, message):
+    assert message in error_line(app, run_page(app, max_new=value))
+    assert message in api_error(app, PROMPT, "pld", value, 0.0)
+
+
+def test_an_absurd_budget_is_capped_with_a_notice(app):
+    updates = run_page(app, "abcde", max_new=10**12)  # cap 1024 fits the tiny context after 5 prompt tokens
+    assert "max new tokens capped at 1024 in the app" in updates[0][app.status]
+    assert "max new tokens capped at 1024 in the app" in updates[-1][app.status]
+    assert updates[-1][app.views]["method"].start.max_new_tokens == 1019  # and cut to the context
+
+
+@pytest.mark.parametrize("params, message", [({"num_draft": 0}, "num_draft must be >= 1"),
+                                             ({"num_draft": 10**6}, "num_draft must be <= 64"),
+                                             ({"max_ngram": -1}, "max_ngram must be >= 1"),
+                                             ({"num_draft": 2.5}, "num_draft must be int")])
+def test_method_parameters_out_of_range(app, params, message):
+    assert message in error_line(app, run_page(app, params=params))
+
+
+def test_unknown_method_and_bad_sampling(app):
+    assert "unknown method" in error_line(app, run_page(app, method="nope"))
+    assert "unknown method" in api_error(app, PROMPT, "nope", 8, 0.0)
+    assert "temperature above 0" in error_line(app, run_page(app, mode="sampling", temperature=0))
+    assert "temperature must be a number" in error_line(app, run_page(app, mode="sampling", temperature="hot"))
+    assert "temperature must be >= 0" in api_error(app, PROMPT, "pld", 8, -1.0)
+
+
+def test_models_that_cannot_load(app, tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "hub is unreachable" in error_line(app, run_page(app, model="nobody/no-such-model"))
+    GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
+    assert "is a 'gpt2'; SpecGUI runs Llama-family" in error_line(app, run_page(app, model=str(tmp_path)))
+    assert "no such model directory" in error_line(app, run_page(app, model="/no/such/model"))
+    app.store.put(tiny_lm)  # a failed load frees the old model first; the tiny one cannot be reloaded by name
+    assert_still_serves(app)
+
+
+# -- deployment policy --------------------------------------------------------------------------------------
+
+
+def test_the_default_model_comes_from_the_deployment(app):
+    assert app.default_model == MODEL and app.model.value == MODEL
+    assert run_page(app, model="  ")[-1][app.status].endswith("done</div>")  # a blank field means the default
+
+
+def test_a_public_deployment_serves_only_its_models_and_uploaded_traces(app, tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGUI_PUBLIC", "1")
+    for name in ("/etc", str(tmp_path), "../models/x", "some/other-model", "embedded"):
+        assert "only serves tiny-llama" in error_line(app, run_page(app, model=name))
+    assert_still_serves(app)
+
+    trace = tmp_path / "t.json"
+    save_trace(run(start(), prefill(), step(1, [11], [0], 12)), trace)
+    assert "only uploaded trace files" in error_line(app, list(app.replay([str(trace)], 8.0)))
+    upload = Path(gr.utils.get_upload_folder()) / "specgui-test" / "t.json"
+    upload.parent.mkdir(parents=True, exist_ok=True)
+    upload.write_text(trace.read_text())
+    assert "done · replay" in list(app.replay([str(upload)], 8.0))[-1][app.status]
+
+    specs = []
+    store = ModelStore(loader=lambda spec: specs.append(spec) or tiny_lm)
+    App(store).store.get(MODEL)
+    assert [s.trust_remote_code for s in specs] == [False]  # a visitor never turns remote code on
+
+
+def test_every_model_event_shares_one_queue_slot(app):
+    demo = app.build().queue(default_concurrency_limit=1)
+    fns = {fn.api_name: fn for fn in demo.fns.values() if fn.api_name}
+    for name in ("run", "replay", "compare", "generate"):
+        assert (fns[name].concurrency_id, fns[name].concurrency_limit) == ("model", 1), name
+    for name in ("run", "replay"):  # the status line shows the queue position while a visitor waits
+        assert fns[name].show_progress != "hidden" and fns[name].show_progress_on == [app.status]
+    assert not fns["stop"].queue
+
+
+# -- traces ---------------------------------------------------------------------------------------------------
+
+
+def replay_file(app: App, tmp_path: Path, text: str | bytes, name: str = "t.json") -> list[dict]:
+    path = tmp_path / name
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return list(app.replay([str(path)], 8.0))
+
+
+def test_malformed_traces_are_refused_in_one_line(app, tmp_path):
+    good = json.loads(dumps_trace(run(start(), prefill(), step(1, [11, 12], [0], 13))))
+    bad_path = json.loads(json.dumps(good))
+    bad_path["events"][2]["path"] = [5]
+    bad_type = json.loads(json.dumps(good))
+    bad_type["events"][2]["draft_tokens"] = "os.system('x')"
+    cases = [("{not json", "not valid JSON"), ("[1, 2]", "not a SpecGUI trace"),
+             (json.dumps({**good, "version": 99}), "unsupported trace version"),
+             (json.dumps(bad_path), "accepted path is not a path"),
+             (json.dumps(bad_type), "has the wrong type"),
+             (json.dumps({**good, "events": good["events"][1:]}), "begin with exactly one start")]
+    for text, message in cases:
+        assert message in error_line(app, replay_file(app, tmp_path, text)), message
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as f:
+        f.truncate(MAX_TRACE_BYTES + 1)  # sparse: never read
+    assert "larger than 32 MiB" in error_line(app, list(app.replay([str(huge)], 1.0)))
+    assert "load one trace" in error_line(app, list(app.replay([str(huge)] * 3, 1.0)))
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert "replay speed must be a number" in error_line(app, list(app.replay([str(tmp_path / "good.json")], "x")))
+
+
+def test_hostile_token_text_from_a_trace_is_shown_as_text(app, tmp_path):
+    pieces = {11: HOSTILE[0], 12: HOSTILE[1], 13: "ok"}
+    method = run(start("pld"), prefill(10, HOSTILE[1]), step(1, [11, 12], [0], 13, pieces=pieces))
+    baseline = run(start("baseline"), prefill(10, HOSTILE[1]), step(1, [], [], 11, pieces=pieces),
+                   step(2, [], [], 13, pieces=pieces))
+    save_trace(method, tmp_path / "m.json")
+    save_trace(baseline, tmp_path / "b.json")
+    updates = list(app.replay([str(tmp_path / "m.json"), str(tmp_path / "b.json")], 8.0))
+    final = {component: value for update in updates for component, value in update.items()}  # as the page ends
+    shown = final[app.m_tokens] + final[app.b_tokens] + final[app.inspector] + final[app.summary]
+    for text in HOSTILE:
+        assert text not in shown
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in final[app.m_tokens]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in final[app.b_tokens]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in final[app.inspector]
+
+
+# -- Stop, and memory -------------------------------------------------------------------------------------------
+
+
+def test_stop_ends_the_run_frees_the_slot_and_the_next_run_completes(app):
+    values = app.panel.presets(MODEL, app.device)
+    frames = app.run(MODEL, "baseline", "greedy", 0.7, 1.0, None, 1000, None, PROMPT, *values)
+    for update in frames:
+        if app.m_stats in update and "<b>0</b> tokens" not in update[app.m_stats] and "tokens" in update[app.m_stats]:
+            break
+    app.stop()
+    final = list(frames)[-1]
+    assert final[app.status].startswith('<div class="sg-status sg-status-info">stopped')
+    stopped = final[app.views]["method"].summary
+    assert stopped.stop == "cancelled" and stopped.new_tokens < 1000
+    assert final[app.views]["baseline"].start is None  # no baseline after a stop
+    assert app.store.busy.acquire(blocking=False)  # the slot is free
+    app.store.busy.release()
+    assert_still_serves(app)
+
+
+def rss_mb() -> float:
+    gc.collect()
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def test_fifty_runs_do_not_leak(app):
+    for _ in range(5):  # warm-up: first-time allocations, the baseline cache entry, plotly's templates
+        run_page(app)
+    sizes = [rss_mb()]
+    for _ in range(2):
+        for i in range(25):
+            final = run_page(app, method="pld" if i % 2 else "baseline")[-1]
+            assert final[app.status].endswith("done</div>")
+        sizes.append(rss_mb())
+    print(f"RSS growth over 50 runs: {sizes[2] - sizes[0]:.1f} MB (second 25: {sizes[2] - sizes[1]:.1f} MB)")
+    assert sizes[2] - sizes[0] < RSS_BOUND_MB and sizes[2] - sizes[1] < RSS_PLATEAU_MB
+    assert threading.active_count() < 50  # workers do not pile up threads
+    assert len(list(app.trace_root.iterdir())) <= KEEP_TRACES  # nor trace files on disk
+
+
+# -- ZeroGPU wiring ----------------------------------------------------------------------------------------------
+
+FAKE_SPACES = '''
+import inspect, sys
+torch_loaded = "torch" in sys.modules or "gradio" in sys.modules
+wrapped, calls = [], []
+
+def GPU(duration=60):
+    def wrap(fn):
+        wrapped.append((fn.__name__, duration))
+        if inspect.isgeneratorfunction(fn):
+            def gen(*a, **k):
+                calls.append(fn.__name__)
+                yield from fn(*a, **k)
+            return gen
+        def call(*a, **k):
+            calls.append(fn.__name__)
+            return fn(*a, **k)
+        return call
+    return wrap
+'''
+
+ZERO_GPU_RUN = '''
+import json, sys
+import app  # the entry point: must import `spaces` (through specgui.hosting) before torch and gradio
+import spaces
+from helpers import tiny_model
+from specgui.ui.page import App
+from specgui.ui.runs import ModelStore
+store = ModelStore()
+store.put(tiny_model())
+events = list(App(store).generate_api("abcdeabcde", "pld", 6, 0.0))
+print(json.dumps({"torch_first": spaces.torch_loaded, "wrapped": spaces.wrapped, "calls": spaces.calls,
+                  "events": events}))
+'''
+
+
+def test_zero_gpu_wraps_the_decode_and_is_imported_before_torch(tmp_path):
+    (tmp_path / "spaces.py").write_text(FAKE_SPACES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "tests"), str(ROOT)]),
+           "SPECGUI_DEFAULT_MODEL": MODEL}
+    out = subprocess.run([sys.executable, "-c", ZERO_GPU_RUN], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])  # json: the API's results are plain CPU data
+    assert got["torch_first"] is False
+    assert {name for name, _ in got["wrapped"]} >= {"gpu_decode", "run_suite"}
+    assert got["calls"] == ["gpu_decode"]
+    assert got["events"][0]["type"] == "start" and got["events"][-1]["new_tokens"] == 6
