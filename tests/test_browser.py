@@ -122,7 +122,8 @@ def test_dark_theme_recolours_tokens(browser_page, tmp_path):
 
     light = accepted_colour()
     page.goto(url + "?__theme=dark")
-    assert page.evaluate("document.body.classList.contains('dark')")
+    # gradio's script adds the class after the load event; a slow machine gets there late
+    page.wait_for_function("document.body.classList.contains('dark')", timeout=TIMEOUT_MS)
     assert accepted_colour() != light
     page.screenshot(path=tmp_path / "dark.png")
 
