@@ -59,6 +59,16 @@ def run_and_wait(page: Page) -> None:
                            " return e && !e.dataset.old && e.innerText.startsWith('done'); })()", timeout=TIMEOUT_MS)
 
 
+def start_long_run(page: Page, shown: int) -> None:
+    """Start a 600-token pld run and wait until more than `shown` of its tokens are on the page."""
+    choose(page, "#sg-method", "pld")
+    page.locator("#sg-max-new input[type=number]").fill("600")
+    page.locator("#sg-max-new input[type=number]").press("Enter")
+    page.click("#sg-run")
+    page.wait_for_function(f"document.querySelectorAll('#sg-method-tokens .sg-tok').length > {shown}",
+                           timeout=TIMEOUT_MS)
+
+
 def test_runs_every_method_and_shows_tokens_strip_and_summary(browser_page, tmp_path):
     page, _, outside = browser_page
     choose(page, "#sg-example", "summarization-01")
@@ -102,11 +112,7 @@ def check_inspector_and_toggle(page: Page) -> None:
 
 def test_stop_ends_a_long_run_early(browser_page):
     page, _, _ = browser_page
-    choose(page, "#sg-method", "pld")
-    page.locator("#sg-max-new input[type=number]").fill("600")
-    page.locator("#sg-max-new input[type=number]").press("Enter")
-    page.click("#sg-run")
-    page.wait_for_function("document.querySelectorAll('#sg-method-tokens .sg-tok').length > 8", timeout=TIMEOUT_MS)
+    start_long_run(page, 8)
     page.click("#sg-stop")
     page.wait_for_function("document.querySelector('#sg-status').innerText.startsWith('stopped')", timeout=60_000)
     assert "stop: cancelled" in page.locator("#sg-method-stats").inner_text()
@@ -154,11 +160,7 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser_page):
     second = first.context.browser.new_page(viewport={"width": 1400, "height": 1000})  # another visitor
     second.goto(url)
     second.wait_for_selector("#sg-run")
-    choose(first, "#sg-method", "pld")
-    first.locator("#sg-max-new input[type=number]").fill("600")
-    first.locator("#sg-max-new input[type=number]").press("Enter")
-    first.click("#sg-run")
-    first.wait_for_function("document.querySelectorAll('#sg-method-tokens .sg-tok').length > 4", timeout=TIMEOUT_MS)
+    start_long_run(first, 4)
     second.click("#sg-run")
     second.wait_for_function("/queue: 1\\/1/.test(document.querySelector('#sg-status').innerText)", timeout=30_000)
     first.click("#sg-stop")
