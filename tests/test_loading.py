@@ -33,6 +33,7 @@ def test_local_directory_loads_and_generates(tmp_path, embedded_lm):
 
 def test_local_directory_without_tokenizer_is_a_clear_error(tmp_path):
     tiny_model().model.save_pretrained(tmp_path)
+    loading.check(ModelSpec(name=str(tmp_path)))  # the config is fine: only loading finds the tokenizer missing
     with pytest.raises(SpecGUIError, match="cannot load"):
         loading.load(ModelSpec(name=str(tmp_path)))
 
@@ -43,9 +44,10 @@ def test_local_directory_without_tokenizer_is_a_clear_error(tmp_path):
     ("not a valid id!!", "cannot"),
 ])
 def test_bad_model_names(name, message):
-    with pytest.raises(SpecGUIError, match=message) as info:
-        loading.load(ModelSpec(name=name))
-    assert "\n" not in str(info.value)
+    for attempt in (loading.check, loading.load):  # the check before freeing a model says what load would
+        with pytest.raises(SpecGUIError, match=message) as info:
+            attempt(ModelSpec(name=name))
+        assert "\n" not in str(info.value)
 
 
 def test_hub_id_without_network_fails_fast(monkeypatch):
@@ -56,8 +58,9 @@ def test_hub_id_without_network_fails_fast(monkeypatch):
 
 def test_unsupported_architecture(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)).save_pretrained(tmp_path)
-    with pytest.raises(SpecGUIError, match=r"'gpt2'.*Llama-family"):
-        loading.load(ModelSpec(name=str(tmp_path)))
+    for attempt in (loading.check, loading.load):
+        with pytest.raises(SpecGUIError, match=r"'gpt2'.*Llama-family"):
+            attempt(ModelSpec(name=str(tmp_path)))
 
 
 @pytest.mark.parametrize("field, value", [("dtype", "float8"), ("device", "tpu"), ("quantization", "3bit"),

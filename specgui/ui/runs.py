@@ -36,6 +36,7 @@ from specgui import decode, hosting
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary
 from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
+from specgui.loading import check as check_spec
 from specgui.sampling import Sampling
 from specgui.text import Messages, encode_prompt
 
@@ -69,10 +70,17 @@ class RunRequest:
 
 
 class ModelStore:
-    """One loaded model at a time, shared by every handler (loading another name replaces it)."""
+    """One loaded model at a time, shared by every handler (loading another name replaces it).
 
-    def __init__(self, loader: Callable[[ModelSpec], LoadedModel] = load) -> None:
+    Another name is checked first (`loading.check`: the config only) and the held model freed only then, so
+    a bad name keeps it; freeing before the new weights arrive keeps peak memory at one model. A stand-in
+    `loader` (tests) comes without a check unless one is given.
+    """
+
+    def __init__(self, loader: Callable[[ModelSpec], LoadedModel] = load,
+                 check: Callable[[ModelSpec], None] | None = None) -> None:
         self._loader = loader
+        self._check = check or (check_spec if loader is load else lambda spec: None)
         self._lm: LoadedModel | None = None
         self._load_lock = threading.Lock()
         self.busy = threading.Lock()  # held while decoding: runs never overlap on the device
@@ -87,9 +95,11 @@ class ModelStore:
     def get(self, name: str) -> LoadedModel:
         with self._load_lock:
             if not self.holds(name):
+                spec = ModelSpec(name=name.strip() or EMBEDDED)
+                self._check(spec)
                 self._lm = None
                 gc.collect()  # free the old weights before the new ones arrive
-                self._lm = DEVICE.submit(self._loader, ModelSpec(name=name.strip() or EMBEDDED)).result()
+                self._lm = DEVICE.submit(self._loader, spec).result()
             return self._lm
 
     def put(self, lm: LoadedModel) -> None:
