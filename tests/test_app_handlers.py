@@ -174,7 +174,7 @@ def test_a_public_deployment_serves_only_its_models_and_uploaded_traces(app, tin
     assert "done · replay" in list(app.replay([str(upload)], 8.0))[-1][app.status]
 
     specs = []
-    store = ModelStore(loader=lambda spec: specs.append(spec) or tiny_lm)
+    store = ModelStore(loader=lambda spec: specs.append(spec) or tiny_lm, check=lambda spec: None)
     App(store).store.get(MODEL)
     assert [s.trust_remote_code for s in specs] == [False]  # a visitor never turns remote code on
 

@@ -19,7 +19,7 @@ PROMPT = "abcdeabcdeabcdeabcd"  # the tiny model's letter tokenizer; repeats giv
 @pytest.fixture
 def store(tiny_lm):
     loads = []
-    store = ModelStore(loader=lambda spec: loads.append(spec.name) or tiny_lm)
+    store = ModelStore(loader=lambda spec: loads.append(spec.name) or tiny_lm, check=lambda spec: None)
     store.loads = loads
     return store
 
@@ -163,7 +163,7 @@ def test_pane_assignment_refuses_ambiguous_trace_sets():
 
 def test_model_store_loads_once_per_name_and_replaces(tiny_lm):
     loads = []
-    store = ModelStore(loader=lambda spec: loads.append(spec.name) or tiny_lm)
+    store = ModelStore(loader=lambda spec: loads.append(spec.name) or tiny_lm, check=lambda spec: None)
     store.get("tiny-llama")
     store.get(" tiny-llama ")
     store.get("")  # empty means the embedded model

@@ -72,15 +72,15 @@ class RunRequest:
 class ModelStore:
     """One loaded model at a time, shared by every handler (loading another name replaces it).
 
-    Another name is checked first (`loading.check`: the config only) and the held model freed only then, so
-    a bad name keeps it; freeing before the new weights arrive keeps peak memory at one model. A stand-in
-    `loader` (tests) comes without a check unless one is given.
+    Another name is checked first (`check`, by default `loading.check`: the config only) and the held model
+    freed only then, so a bad name keeps it; freeing before the new weights arrive keeps peak memory at one
+    model.
     """
 
     def __init__(self, loader: Callable[[ModelSpec], LoadedModel] = load,
-                 check: Callable[[ModelSpec], None] | None = None) -> None:
+                 check: Callable[[ModelSpec], None] = check_spec) -> None:
         self._loader = loader
-        self._check = check or (check_spec if loader is load else lambda spec: None)
+        self._check = check
         self._lm: LoadedModel | None = None
         self._load_lock = threading.Lock()
         self.busy = threading.Lock()  # held while decoding: runs never overlap on the device
