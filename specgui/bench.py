@@ -14,6 +14,7 @@ near-tie between two batch shapes, a large one is a bug.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -23,11 +24,10 @@ from typing import Any
 import torch
 
 from specgui import decode, methods
+from specgui.equality import first_divergence
 from specgui.loading import LoadedModel
 from specgui.prompts import PromptRow
 from specgui.sampling import GREEDY, Sampling
-
-NEAR_TIE = 1e-3  # logit margins below this are within float32 noise of two batch shapes
 
 
 def _hf_generate(lm: LoadedModel, ids: list[int], max_new: int, sampling: Sampling, lookup: int | None) -> tuple:
@@ -59,9 +59,18 @@ REFERENCES: dict[str, Callable] = {
 }
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One contestant: a method with parameter overrides (None: its presets), named `label` in the report."""
+
+    label: str
+    method: str
+    params: dict[str, Any] | None = None
+
+
 @dataclass
 class Run:
-    """One (prompt, method) pair: output of the first repeat, wall times of all repeats."""
+    """One (prompt, entry) pair: output of the first repeat, wall times of all repeats."""
 
     prompt_id: str
     category: str
@@ -82,8 +91,8 @@ class Run:
         return statistics.median(self.walls)
 
 
-def check_methods(names: Iterable[str]) -> list[str]:
-    """Validate method names; `baseline` is always included and comes first."""
+def entries_for(names: Iterable[str], params: dict[str, dict[str, Any]] | None = None) -> list[Entry]:
+    """Entries for method names (each labelled by its name, with `params[name]`); `baseline` always comes first."""
     chosen = ["baseline"]
     for name in names:
         name = name.strip()
@@ -92,7 +101,7 @@ def check_methods(names: Iterable[str]) -> list[str]:
         if name not in REFERENCES:
             methods.get(name)  # raises with the list of known methods
         chosen.append(name)
-    return chosen
+    return [Entry(name, name, (params or {}).get(name)) for name in chosen]
 
 
 def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max_new: int, sampling: Sampling,
@@ -117,50 +126,41 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
 def bench(
     lm: LoadedModel,
     rows: list[PromptRow],
-    method_names: list[str],
+    entries: list[Entry],
     *,
     max_new_tokens: int = 128,
     repeats: int = 1,
     sampling: Sampling = GREEDY,
-    params: dict[str, dict[str, Any]] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; return the report (see `report_json` for its shape)."""
-    names = check_methods(method_names)
-    params = params or {}
+    """Run the suite; return the report (see `report_json` for its shape). `entries[0]` must be baseline."""
+    if not entries or entries[0].method != "baseline":
+        raise ValueError("a bench's first entry is the baseline every speedup is measured against")
+    for entry in entries:  # bad parameters fail here, before anything is timed
+        if entry.method not in REFERENCES:
+            methods.params_for(entry.method, lm.name, lm.runner.device.type, entry.params)
     encoded = [row.encode(lm.tokenizer) for row in rows]
-    for name in names:  # warm-up, excluded
-        run_method(lm, rows[0], encoded[0], name, min(16, max_new_tokens), sampling, params.get(name))
+    for entry in entries:  # warm-up, excluded
+        run_method(lm, rows[0], encoded[0], entry.method, min(16, max_new_tokens), sampling, entry.params)
     runs: dict[tuple[str, str], Run] = {}
     for repeat in range(repeats):
         for i, (row, ids) in enumerate(zip(rows, encoded)):
-            shift = (i + repeat) % len(names)
-            for name in names[shift:] + names[:shift]:
-                run = run_method(lm, row, ids, name, max_new_tokens, sampling, params.get(name))
-                key = (row.id, name)
+            shift = (i + repeat) % len(entries)
+            for entry in entries[shift:] + entries[:shift]:
+                run = run_method(lm, row, ids, entry.method, max_new_tokens, sampling, entry.params)
+                key = (row.id, entry.label)
                 if key in runs:
                     runs[key].walls.extend(run.walls)
                 else:
                     runs[key] = run
                 if progress is not None:
                     progress(1)
-    return report_json(lm, rows, names, runs, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
+    return report_json(lm, rows, entries, runs, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
 
 
 def _divergence(run: Run, base: Run) -> dict[str, Any] | None:
-    if run.tokens == base.tokens:
-        return None
-    pos = next((i for i, (a, b) in enumerate(zip(run.tokens, base.tokens)) if a != b), None)
-    if pos is None:
-        pos = min(len(run.tokens), len(base.tokens))
-    margin = base.margins[pos] if pos < len(base.margins) else None
-    return {
-        "position": pos,
-        "baseline_token": base.tokens[pos] if pos < len(base.tokens) else None,
-        "method_token": run.tokens[pos] if pos < len(run.tokens) else None,
-        "baseline_margin": margin,
-        "near_tie": margin is not None and margin < NEAR_TIE,
-    }
+    found = first_divergence(run.tokens, base.tokens, base.margins)
+    return None if found is None else dataclasses.asdict(found)
 
 
 def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[str, Any]:
@@ -182,32 +182,35 @@ def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[
     }
 
 
-def report_json(lm, rows, names, runs, *, max_new_tokens, repeats, sampling) -> dict[str, Any]:
+def report_json(lm, rows, entries, runs, *, max_new_tokens, repeats, sampling) -> dict[str, Any]:
+    """The bench report: per entry label, overall ("methods") and per category, plus every prompt's row."""
+    base_label = entries[0].label
     for (prompt_id, _), run in runs.items():
-        run.divergence = _divergence(run, runs[(prompt_id, "baseline")])
+        run.divergence = _divergence(run, runs[(prompt_id, base_label)])
         run.identical = run.divergence is None
     categories = list(dict.fromkeys(r.category for r in rows))
-    by_method = {n: [runs[(r.id, n)] for r in rows] for n in names}
-    base_rate = _aggregate(by_method["baseline"], None, sampling.greedy)["tokens_per_s"]
+    labels = [e.label for e in entries]
+    by_label = {label: [runs[(r.id, label)] for r in rows] for label in labels}
+    base_rate = _aggregate(by_label[base_label], None, sampling.greedy)["tokens_per_s"]
     report: dict[str, Any] = {
         "model": lm.name, "device": str(lm.runner.device), "max_new_tokens": max_new_tokens, "repeats": repeats,
         "sampling": sampling.to_dict(), "prompts": len(rows), "methods": {}, "categories": {}, "per_prompt": [],
-        "profile": {},
+        "profile": {}, "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
     }
-    for name in names:
-        report["methods"][name] = _aggregate(by_method[name], base_rate, sampling.greedy)
-        report["profile"][name] = _profile(by_method[name])
+    for label in labels:
+        report["methods"][label] = _aggregate(by_label[label], base_rate, sampling.greedy)
+        report["profile"][label] = _profile(by_label[label])
     for cat in categories:
-        base = _aggregate([r for r in by_method["baseline"] if r.category == cat], None, sampling.greedy)
+        base = _aggregate([r for r in by_label[base_label] if r.category == cat], None, sampling.greedy)
         report["categories"][cat] = {
-            name: _aggregate([r for r in by_method[name] if r.category == cat], base["tokens_per_s"], sampling.greedy)
-            for name in names
+            label: _aggregate([r for r in by_label[label] if r.category == cat], base["tokens_per_s"], sampling.greedy)
+            for label in labels
         }
     for row in rows:
-        for name in names:
-            run = runs[(row.id, name)]
+        for label in labels:
+            run = runs[(row.id, label)]
             report["per_prompt"].append({
-                "id": row.id, "category": row.category, "method": name, "new_tokens": len(run.tokens),
+                "id": row.id, "category": row.category, "method": label, "new_tokens": len(run.tokens),
                 "wall_s": run.wall, "walls": run.walls, "tokens_per_s": len(run.tokens) / run.wall if run.wall else 0,
                 "mean_accepted": run.emitted_in_steps / run.steps if run.steps else None,
                 "identical": run.identical if sampling.greedy else None, "divergence": run.divergence,

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from specgui import methods
+from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.params import specs
 
@@ -39,10 +40,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    defaults = decoding_defaults()  # configs/decoding.yaml, shared with the app
+    p.add_argument("--max-new-tokens", type=int, default=defaults["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=defaults["temperature"], help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=defaults["top_p"])
+    p.add_argument("--top-k", type=int, default=defaults["top_k"], help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter override (bench: METHOD.KEY=VALUE); repeatable")
@@ -148,34 +150,21 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specgui import bench
-    from specgui.prompts import BUILTIN_SUITE, load_prompts
+    from specgui.prompts import load_prompts, select
 
-    names = bench.check_methods(args.methods.split(","))
     sampling = _sampling(args)
-    overrides = _overrides(args.param, scoped=True)
+    entries = bench.entries_for(args.methods.split(","), _overrides(args.param, scoped=True))
     if args.repeats < 1:
         raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.limit is not None and args.limit < 1:
-        raise SpecGUIError(f"--limit must be >= 1, got {args.limit}")
-    rows = load_prompts(BUILTIN_SUITE if args.prompts == "suite" else args.prompts)
-    if args.categories:
-        keep = [c.strip() for c in args.categories.split(",") if c.strip()]
-        unknown = set(keep) - {r.category for r in rows}
-        if unknown:
-            raise SpecGUIError(f"no prompts in categories {', '.join(sorted(unknown))}")
-        rows = [r for r in rows if r.category in keep]
-    if args.limit:
-        seen: dict[str, int] = {}
-        rows = [r for r in rows if (seen.__setitem__(r.category, seen.get(r.category, 0) + 1)
-                                    or seen[r.category] <= args.limit)]
+    rows = select(load_prompts(args.prompts), args.categories.split(",") if args.categories else None, args.limit)
     if args.json:
         parent = Path(args.json).resolve().parent
         if not parent.is_dir():
             raise SpecGUIError(f"cannot write results: folder {str(parent)!r} does not exist")
     lm = load_model(args)
-    with tqdm(total=len(rows) * len(names) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
-        report = bench.bench(lm, rows, names, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                             sampling=sampling, params=overrides, progress=bar.update)
+    with tqdm(total=len(rows) * len(entries) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+        report = bench.bench(lm, rows, entries, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                             sampling=sampling, progress=bar.update)
     print(bench.format_report(report, profile=args.profile))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")

@@ -16,10 +16,11 @@ from typing import Any
 
 import yaml
 
+from specgui import REPO_DIR
 from specgui.errors import SpecGUIError
 from specgui.params import NoParams, validate
 
-CONFIG_DIR = Path(os.environ.get("SPECGUI_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
+CONFIG_DIR = Path(os.environ.get("SPECGUI_CONFIGS", REPO_DIR / "configs"))
 
 
 @cache
@@ -46,9 +47,16 @@ def preset_values(method: str, model_name: str, device: str) -> dict[str, Any]:
     return values
 
 
+DECODING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "max_new_tokens_cap")
+
+
 def decoding_defaults() -> dict[str, Any]:
-    """Front-end defaults (max new tokens, temperature, ...) from configs/decoding.yaml."""
-    return dict(_read("decoding"))
+    """Front-end defaults (max new tokens, temperature, ...) from configs/decoding.yaml, every key present."""
+    values = dict(_read("decoding"))
+    missing = [k for k in DECODING_KEYS if k not in values]
+    if missing:
+        raise SpecGUIError(f"{CONFIG_DIR / 'decoding.yaml'} lacks {', '.join(missing)}")
+    return values
 
 
 def build_params(method: str, params_cls: type, model_name: str, device: str, overrides: dict | None = None) -> Any:

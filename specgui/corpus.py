@@ -29,7 +29,7 @@ import torch
 
 from specgui.cli import Parser, add_model_args, load_model
 from specgui.errors import SpecGUIError
-from specgui.ngram_cache import CORPUS_DIR, CorpusCache
+from specgui.methods.ngram_cache import CORPUS_DIR, CorpusCache
 from specgui.prompts import load_prompts
 
 BATCH = 8

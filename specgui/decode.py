@@ -114,7 +114,8 @@ def generate(
         first = pick(logits[0], sampling, generator)
         state.tokens.append(first)
         prefill_ms = clock.lap()
-        payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_logits=None))
+        payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_logits=None,
+                                                 prefill=True, verify_ms=prefill_ms))
         overhead_ms = clock.lap()
         clock.pause()  # building events (detokenizing) is presentation, not decoding
         prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=_margins(logits)[0],
@@ -143,7 +144,8 @@ def generate(
             state.tokens.extend(emitted)
             verify_ms = clock.lap()
             # 5. observe
-            outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_logits=extra_logits)
+            outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_logits=extra_logits,
+                              draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}
             state.step += 1
             overhead_ms = clock.lap()

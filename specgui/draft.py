@@ -100,12 +100,21 @@ class Draft:
 
 @dataclass
 class Outcome:
-    """What the verifier decided, as the drafter sees it in `observe`."""
+    """What the verifier decided, as the drafter sees it in `observe`.
+
+    `observe` is also called once after the prompt forward (`prefill` true: no draft, `path` empty, `token`
+    the first new token, `verify_ms` the prompt forward's time), so a drafter learns from the prompt with
+    the same call. `draft_ms` and `verify_ms` are the decode loop's own clock for this step (draft, then
+    verify + accept + crop), so methods that weigh their cost against their gain need no clock of their own.
+    """
 
     path: list[int]  # accepted draft nodes, root to leaf
     token: int  # the verifier's own token (bonus after a full path, else the correction)
     emitted: list[int]  # tokens committed this step (accepted path + own token, cut at a stop)
     extra_logits: torch.Tensor | None  # [E, V] logits of the extras, when asked for
+    prefill: bool = False
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
 
     @property
     def accepted(self) -> int:

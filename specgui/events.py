@@ -13,7 +13,7 @@ on; a method sets the ones that apply, and new keys are fine:
                    the DP's final state to the full model's) and "dp_ms"
   "acs":           [cosine per layer] attention in/out similarity over the prompt (ADMG, in Prefill)
   "exit":          {"threshold": t, "confidences": [top-1 prob per draft token], "reason": why the
-                   draft stopped ("threshold", "max", "budget")}
+                   draft stopped ("threshold", "max", "budget"), or "paused" when the back-off skipped it}
   "draft_len":     the draft length limit in force (adaptive back-off)
   "fractal_layers": [layer, ...] where compressed passes are spliced in (Fractal, in Prefill and Step)
   "origin":        [fractal layer per draft node] which fractal layer produced the node's final token

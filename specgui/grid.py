@@ -3,8 +3,9 @@
 Self-Draft's best branch count N, branch length L and candidate budget depend on what an extra token in the
 forward costs, which differs by orders of magnitude between a GPU and a small CPU (the paper's Fig. 5-7
 sweep N and L on an A100). This command sweeps any method's parameters the way `bench` measures methods
-(warm-up excluded, settings take turns per prompt in a rotating order so drift in machine load spreads
-evenly, tokens/s = total tokens / total time) and prints one row per setting, best first:
+(it *is* a `bench` run whose entries are the settings: warm-up excluded, settings take turns per prompt in
+a rotating order so drift in machine load spreads evenly, tokens/s = total tokens / total time) and prints
+one row per setting, best first:
 
     python -m specgui.grid --method selfdraft --grid branches=0,1,2 --grid branch_len=2,4 \\
         --set budget=8 --limit 1 --max-new-tokens 48
@@ -18,14 +19,14 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from specgui import bench, methods
 from specgui.cli import Parser, add_model_args, load_model, parse_value
 from specgui.errors import SpecGUIError
-from specgui.prompts import BUILTIN_SUITE, PromptRow, load_prompts
-from specgui.sampling import GREEDY
+from specgui.prompts import PromptRow, load_prompts, select
 
 
 def settings(grid: list[str], fixed: list[str]) -> list[dict[str, Any]]:
@@ -45,60 +46,19 @@ def settings(grid: list[str], fixed: list[str]) -> list[dict[str, Any]]:
     return [{**base, **dict(combo)} for combo in itertools.product(*axes)]
 
 
-def pick_prompts(path: str, categories: str | None, limit: int | None) -> list[PromptRow]:
-    rows = load_prompts(BUILTIN_SUITE if path == "suite" else path)
-    if categories:
-        keep = {c.strip() for c in categories.split(",") if c.strip()}
-        rows = [r for r in rows if r.category in keep]
-    if limit:
-        seen: dict[str, int] = {}
-        kept = []
-        for r in rows:
-            seen[r.category] = seen.get(r.category, 0) + 1
-            if seen[r.category] <= limit:
-                kept.append(r)
-        rows = kept
-    if not rows:
-        raise SpecGUIError("no prompts selected")
-    return rows
-
-
 def measure(lm, rows: list[PromptRow], method: str, grid: list[dict[str, Any]], max_new_tokens: int,
-            progress=None) -> list[dict[str, Any]]:
-    """Run baseline and every setting on every prompt; return one summary per setting, fastest first."""
-    for values in grid:
-        methods.params_for(method, lm.name, lm.runner.device.type, values)  # reject bad settings before timing
-    encoded = [row.encode(lm.tokenizer) for row in rows]
-    entrants: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)] + [(method, g) for g in grid]
-    for name, values in entrants[:2]:  # warm-up, excluded
-        bench.run_method(lm, rows[0], encoded[0], name, min(16, max_new_tokens), GREEDY, values)
-    runs: dict[int, list[bench.Run]] = {i: [] for i in range(len(entrants))}
-    for p, (row, ids) in enumerate(zip(rows, encoded)):
-        order = list(range(len(entrants)))
-        shift = p % len(order)
-        for i in order[shift:] + order[:shift]:
-            name, values = entrants[i]
-            runs[i].append(bench.run_method(lm, row, ids, name, max_new_tokens, GREEDY, values))
-            if progress is not None:
-                progress()
-    base = runs[0]
-    base_rate = sum(len(r.tokens) for r in base) / sum(r.wall for r in base)
+            progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Bench baseline and every setting on every prompt; return one summary per setting, fastest first."""
+    entries = [bench.Entry("baseline", "baseline")] + [
+        bench.Entry(f"#{i}", method, values) for i, values in enumerate(grid)]
+    report = bench.bench(lm, rows, entries, max_new_tokens=max_new_tokens, repeats=1, progress=progress)
     results = []
-    for i, (_, values) in enumerate(entrants[1:], start=1):
-        group = runs[i]
-        rate = sum(len(r.tokens) for r in group) / sum(r.wall for r in group)
-        per_category: dict[str, float] = {}
-        for cat in dict.fromkeys(r.category for r in group):
-            mine = [r for r in group if r.category == cat]
-            theirs = [r for r in base if r.category == cat]
-            per_category[cat] = (sum(len(r.tokens) for r in mine) / sum(r.wall for r in mine)) / (
-                sum(len(r.tokens) for r in theirs) / sum(r.wall for r in theirs))
-        steps = sum(r.steps for r in group)
+    for entry in entries[1:]:
+        overall = report["methods"][entry.label]
         results.append({
-            "params": values, "tokens_per_s": rate, "speedup": rate / base_rate,
-            "tau": sum(r.emitted_in_steps for r in group) / steps if steps else 1.0,
-            "identical": sum(r.tokens == b.tokens for r, b in zip(group, base)), "total": len(group),
-            "categories": per_category,
+            "params": entry.params, "tokens_per_s": overall["tokens_per_s"], "speedup": overall["speedup"],
+            "tau": overall["mean_accepted"] or 1.0, "identical": overall["identical"], "total": overall["total"],
+            "categories": {cat: per[entry.label]["speedup"] for cat, per in report["categories"].items()},
         })
     return sorted(results, key=lambda r: -r["speedup"])
 
@@ -123,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=V", help="value fixed for all settings")
     parser.add_argument("--prompts", default="suite", help="JSONL file, or 'suite' for the built-in suite")
     parser.add_argument("--categories", default=None)
-    parser.add_argument("--limit", type=int, default=1, help="prompts per category")
+    parser.add_argument("--limit", type=int, default=1, help="prompts per category (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--json", default=None, metavar="OUT.json")
     add_model_args(parser)
@@ -131,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         methods.get(args.method)
         grid = settings(args.grid, args.set)
-        rows = pick_prompts(args.prompts, args.categories, args.limit)
+        rows = select(load_prompts(args.prompts), args.categories.split(",") if args.categories else None,
+                      args.limit or None)
         lm = load_model(args)
         print(f"{args.method} on {lm.name} ({lm.runner.device}), {len(rows)} prompts, {args.max_new_tokens} new "
               f"tokens, {len(grid)} settings", file=sys.stderr)
         results = measure(lm, rows, args.method, grid, args.max_new_tokens,
-                          progress=lambda: print(".", end="", file=sys.stderr, flush=True))
+                          progress=lambda n: print("." * n, end="", file=sys.stderr, flush=True))
         print(file=sys.stderr)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

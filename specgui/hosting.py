@@ -28,7 +28,6 @@ except ImportError:
     spaces = None
 
 HUB_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
-EMBEDDED = "embedded"
 
 
 def default_model() -> str:
@@ -36,7 +35,7 @@ def default_model() -> str:
     chosen = os.environ.get("SPECGUI_DEFAULT_MODEL", "").strip()
     if chosen:
         return chosen
-    from specgui.loading import embedded_gguf
+    from specgui.loading import EMBEDDED, embedded_gguf  # here, not at the top: loading imports torch
 
     return EMBEDDED if embedded_gguf() is not None else HUB_DEFAULT
 

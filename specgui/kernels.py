@@ -41,8 +41,3 @@ def install(model: nn.Module) -> int:
             count += 1
     return count
 
-
-def uninstall(model: nn.Module) -> None:
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" in module.__dict__:
-            del module.forward

@@ -12,9 +12,28 @@ compressed sub-passes).
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
 MIN_CAPACITY = 256
+
+
+class Cache(Protocol):
+    """What a forward's attention modules call on a cache (transformers' `Cache` interface, the part used).
+
+    `KVCache` (the decode state's cache, which drafters also crop) and `FrozenView` (a read-only window
+    on one) implement it; the runner and every pass take any `Cache`.
+    """
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions held for layer `layer_idx`: new keys go after them, new queries see all of them."""
+        ...
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take a forward's new keys/values [1, heads, T, dim] for a layer; return what attention reads."""
+        ...
 
 
 class KVCache:
@@ -28,7 +47,8 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx] if layer_idx < len(self.lengths) else 0
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values [1, heads, T, dim] to one layer; return that layer's valid prefix."""
         while len(self.lengths) <= layer_idx:
             self.keys.append(None)
@@ -92,7 +112,9 @@ class FrozenView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return min(self.length, self.cache.get_seq_length(layer_idx))
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached prefix followed by the new keys/values; nothing is stored."""
         n = self.get_seq_length(layer_idx)
         if n == 0:
             return keys, values

@@ -7,14 +7,16 @@ template. The built-in suite (`assets/prompts.jsonl`) covers the six Spec-Bench 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specgui import ASSETS_DIR
 from specgui.errors import SpecGUIError
 from specgui.text import Messages, check_messages, encode_prompt
 
-BUILTIN_SUITE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
+BUILTIN_SUITE = ASSETS_DIR / "prompts.jsonl"
 MAX_SUITE_BYTES = 16 * 1024 * 1024
 
 
@@ -37,8 +39,8 @@ class PromptRow:
 
 
 def load_prompts(path: str | Path = BUILTIN_SUITE) -> list[PromptRow]:
-    """Read and validate a JSONL suite; every problem names its line."""
-    path = Path(path)
+    """Read and validate a JSONL suite ("suite": the built-in one); every problem names its line."""
+    path = BUILTIN_SUITE if str(path) == "suite" else Path(path)
     if not path.is_file():
         raise SpecGUIError(f"prompt file {str(path)!r} not found")
     if path.stat().st_size > MAX_SUITE_BYTES:
@@ -55,6 +57,32 @@ def load_prompts(path: str | Path = BUILTIN_SUITE) -> list[PromptRow]:
     if not rows:
         raise SpecGUIError(f"prompt file {str(path)!r} has no rows")
     return rows
+
+
+def select(rows: list[PromptRow], categories: Iterable[str] | None = None,
+           per_category: int | None = None) -> list[PromptRow]:
+    """The first `per_category` rows (None: all) of each of `categories` (None: every category), in file order.
+
+    The CLI's `--categories/--limit`, the grid and the Compare tab all choose prompts this way, so a
+    table made in one can be made again in another.
+    """
+    if per_category is not None and per_category < 1:
+        raise SpecGUIError(f"prompts per category must be at least 1, got {per_category}")
+    known = list(dict.fromkeys(r.category for r in rows))
+    wanted = known if categories is None else list(dict.fromkeys(c.strip() for c in categories if c.strip()))
+    unknown = [c for c in wanted if c not in known]
+    if unknown:
+        raise SpecGUIError(f"no prompts in category {', '.join(map(repr, unknown))}: the categories are "
+                           f"{', '.join(known)}")
+    taken: dict[str, int] = {}
+    out = []
+    for row in rows:
+        if row.category in wanted and taken.get(row.category, 0) < (per_category or len(rows)):
+            taken[row.category] = taken.get(row.category, 0) + 1
+            out.append(row)
+    if not out:
+        raise SpecGUIError("no prompts selected")
+    return out
 
 
 def _parse_row(line: str, where: str) -> PromptRow:

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from specgui.errors import SpecGUIError
+from specgui.kvcache import Cache
 
 ATTN, MLP = 0, 1
-KIND_NAMES = ("attn", "mlp")
 
-# observer(k, h): k = 0 is the embedding output, k = 2 * layer + kind + 1 the state after that sub-layer.
+# observer(k, h): k = 0 is the embedding output, k = unit_index(layer, kind) the state after that sub-layer.
 Observer = Callable[[int, torch.Tensor], None]
 # pre_layer(layer, h, pass) -> h: may rewrite the hidden states [1, T, H] entering `layer`.
 PreLayer = Callable[[int, torch.Tensor, "Pass"], torch.Tensor]
@@ -40,11 +40,6 @@ class SkipPlan:
     attn: frozenset[int] = frozenset()
     mlp: frozenset[int] = frozenset()
 
-    @classmethod
-    def whole_layers(cls, layers) -> SkipPlan:
-        layers = frozenset(layers)
-        return cls(attn=layers, mlp=layers)
-
     def skips(self, layer: int, kind: int) -> bool:
         return layer in (self.attn if kind == ATTN else self.mlp)
 
@@ -53,6 +48,16 @@ class SkipPlan:
 
     def to_dict(self) -> dict:
         return {"attn": sorted(self.attn), "mlp": sorted(self.mlp)}
+
+
+def unit_index(layer: int, kind: int) -> int:
+    """Observer index of the hidden state after sub-layer (`layer`, `kind`); 0 is the embedding output."""
+    return 2 * layer + kind + 1
+
+
+def unit_at(index: int) -> tuple[int, int]:
+    """(layer, kind) of the sub-layer after which the observer sees index `index` (>= 1)."""
+    return divmod(index - 1, 2)
 
 
 def execution_device(module: nn.Module) -> torch.device:
@@ -101,7 +106,6 @@ class Runner:
         self.rotary = decoder.rotary_emb
         self.lm_head = model.lm_head
         self.num_layers = len(self.layers)
-        self.num_units = 2 * self.num_layers
         self.bool_masks = impl == "sdpa"
         self.dtype = next(model.parameters()).dtype
         self.embed_device = execution_device(self.embed)
@@ -115,7 +119,7 @@ class Runner:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache,
+        cache: Cache,
         *,
         visibility: torch.Tensor | None = None,
         skip: SkipPlan | None = None,
@@ -142,7 +146,7 @@ class Runner:
                     continue
                 h = step.run_unit(h, layer, kind)
                 if observer is not None:
-                    observer(2 * layer + kind + 1, h)
+                    observer(unit_index(layer, kind), h)
         return self.logits(h, logits_rows)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
@@ -155,7 +159,7 @@ class Runner:
 class Pass:
     """What every sub-layer of one forward shares: positions, rotary tables per device, masks, cache."""
 
-    def __init__(self, runner: Runner, positions: torch.Tensor, cache, visibility: torch.Tensor | None) -> None:
+    def __init__(self, runner: Runner, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None) -> None:
         self.runner = runner
         self.positions = positions.to(runner.embed_device).view(1, -1)
         self.cache = cache
@@ -175,7 +179,7 @@ class Pass:
 
     def mask(self, layer: int, device: torch.device) -> torch.Tensor | None:
         """[1, 1, T, past + T] attention mask for one layer, sized by that layer's own cache length."""
-        past = self.cache.get_seq_length(layer) if self.cache is not None else 0
+        past = self.cache.get_seq_length(layer)
         key = (past, device)
         if key not in self._masks:
             self._masks[key] = self._build_mask(past, device)

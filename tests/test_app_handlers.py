@@ -15,7 +15,7 @@ import gradio as gr
 import psutil
 import pytest
 from transformers import GPT2Config
-from ui_helpers import prefill, run, start, step
+from ui_helpers import holding, prefill, run, start, step
 
 from specgui.events import MAX_TRACE_BYTES, dumps_trace, save_trace
 from specgui.ui.page import KEEP_TRACES, App
@@ -35,9 +35,7 @@ RSS_PLATEAU_MB = 6
 def app(tiny_lm):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECGUI_DEFAULT_MODEL", MODEL)
-        store = ModelStore()  # the real loader: named models really load (or fail to)
-        store.put(tiny_lm)
-        page = App(store)
+        page = App(holding(tiny_lm))  # the real loader for any other name: named models really load (or fail to)
         page.build()
         yield page
 
@@ -48,7 +46,7 @@ def private_deployment(app, tiny_lm, monkeypatch):
     for name in POLICY:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPECGUI_DEFAULT_MODEL", MODEL)
-    app.store.put(tiny_lm)
+    app.store.get(MODEL)
 
 
 def run_page(app: App, prompt: str = PROMPT, *, model: str = MODEL, method: str = "pld", max_new=16,
@@ -147,7 +145,7 @@ def test_models_that_cannot_load(app, tiny_lm, tmp_path, monkeypatch):
 
     tiny_lm.model.save_pretrained(tmp_path / "no-tokenizer")  # a good config whose load fails later
     assert "cannot load" in error_line(app, run_page(app, model=str(tmp_path / "no-tokenizer")))
-    app.store.put(tiny_lm)  # the held model was freed before the weights loaded; the tiny one has no name to reload
+    app.store.get(MODEL)  # the held model was freed before the weights loaded
     assert_still_serves(app)
 
 
@@ -305,10 +303,8 @@ import app  # the entry point: must import `spaces` (through specgui.hosting) be
 import spaces
 from helpers import tiny_model
 from specgui.ui.page import App
-from specgui.ui.runs import ModelStore
-store = ModelStore()
-store.put(tiny_model())
-events = list(App(store).generate_api("abcdeabcde", "pld", 6, 0.0))
+from ui_helpers import holding
+events = list(App(holding(tiny_model())).generate_api("abcdeabcde", "pld", 6, 0.0))
 print(json.dumps({"torch_first": spaces.torch_loaded, "wrapped": spaces.wrapped, "calls": spaces.calls,
                   "events": events}))
 '''

@@ -9,7 +9,7 @@ ROWS = [PromptRow("r1", "copy", prompt="abcdeabcd"), PromptRow("r2", "copy", pro
 
 
 def test_bench_report_on_a_tiny_model(tiny_lm):
-    report = bench.bench(tiny_lm, ROWS, ["pld", "hf-generate"], max_new_tokens=16, repeats=2)
+    report = bench.bench(tiny_lm, ROWS, bench.entries_for(["pld", "hf-generate"]), max_new_tokens=16, repeats=2)
     methods = report["methods"]
     assert list(methods) == ["baseline", "pld", "hf-generate"]  # baseline always included, first
     assert methods["baseline"]["speedup"] == 1.0 and methods["baseline"]["mean_accepted"] == 1.0

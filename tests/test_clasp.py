@@ -8,8 +8,8 @@ import torch
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
 from specgui import decode
 from specgui.kvcache import FrozenView, KVCache
+from specgui.methods.skipdp import HiddenRecorder, make_units, plan_for, search, unit_end
 from specgui.runner import Pass
-from specgui.skipdp import HiddenRecorder, make_units, plan_for, search, unit_end
 
 TEXT = ("The museum offers free guided tours every Saturday morning. Visitors can explore the new gallery of "
         "modern sculpture, and children under twelve enter for free. The cafe on the top floor")

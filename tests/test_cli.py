@@ -54,7 +54,7 @@ def test_bench_writes_json(tmp_path, embedded_lm):
     (["bench", "--prompts", "/no/such.jsonl"], "not found"),
     (["bench", "--methods", "pld,zzz"], "unknown method"),
     (["bench", "--repeats", "0"], "repeats"),
-    (["bench", "--categories", "poetry"], "no prompts in categories"),
+    (["bench", "--categories", "poetry"], "no prompts in category"),
     (["bench", "--param", "pld.num_draft"], "KEY=VALUE"),
     (["frobnicate"], "invalid choice"),
 ])

@@ -14,12 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import CharTokenizer, assert_greedy_identical, assert_sampling_lossless, tiny_model
 from specgui import decode, methods
-from specgui.compress import CompressedLayer, compressed_copy
 from specgui.errors import SpecGUIError
 from specgui.events import Prefill
 from specgui.kvcache import FrozenView, KVCache
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.methods.base import DecodeState
+from specgui.methods.compress import CompressedLayer, compressed_copy
 from specgui.methods.fractal import Splice, consistent_chain, fractal_positions, origins
 from specgui.runner import ATTN, MLP, Pass, Runner
 from specgui.sampling import GREEDY
@@ -76,7 +76,7 @@ def test_splice_changes_only_slot_rows_and_leaves_the_cache_as_found(tiny_lm):
         cache = KVCache()
         runner.forward(prompt, torch.arange(c), cache)
         plain = runner.forward(block, torch.arange(c, c + 6), FrozenView(cache, c))
-        splice = Splice(drafter.plan, c, exact=3, anchor_position=c + 2)
+        splice = Splice(drafter.plan, cache, c, exact=3, anchor_position=c + 2)
         spliced = runner.forward(block, torch.arange(c, c + 6), cache, pre_layer=splice)
     assert torch.allclose(spliced[:3], plain[:3], atol=1e-6)
     assert not torch.allclose(spliced[3:], plain[3:], atol=1e-3)  # the slots did change

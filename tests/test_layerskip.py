@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specgui.kvcache import KVCache
-from specgui.layerskip import BackOff, ExitThreshold, draft_chain
 from specgui.methods.base import DecodeState
+from specgui.methods.layerskip import BackOff, ExitThreshold, draft_chain
 from specgui.runner import SkipPlan
 from specgui.sampling import GREEDY, Sampling
 
@@ -36,7 +36,7 @@ def test_draft_chain_leaves_every_layer_at_the_committed_length(tiny_lm, samplin
 def test_draft_chain_equals_the_skipped_model_run_alone(tiny_lm):
     """Drafting over the shared cache = running the skipped model on [prefix by the full model] + draft."""
     state = _state(tiny_lm, [7, 8, 9, 10, 11])
-    plan = SkipPlan.whole_layers([2])
+    plan = SkipPlan(attn=frozenset({2}), mlp=frozenset({2}))
     with torch.no_grad():
         chain = draft_chain(state, plan, limit=4, max_draft=4, threshold=0.0)
         cache = KVCache()
@@ -50,14 +50,17 @@ def test_draft_chain_equals_the_skipped_model_run_alone(tiny_lm):
     assert chain.tokens == expected
 
 
+WHOLE_LAYER_1 = SkipPlan(attn=frozenset({1}), mlp=frozenset({1}))
+
+
 def test_draft_exit_stops_after_the_first_unconfident_token(tiny_lm):
     state = _state(tiny_lm, [1, 2, 3, 4])
     with torch.no_grad():
-        chain = draft_chain(state, SkipPlan.whole_layers([1]), limit=6, max_draft=6, threshold=0.99)
+        chain = draft_chain(state, WHOLE_LAYER_1, limit=6, max_draft=6, threshold=0.99)
     # a random tiny model is never 99% sure: the first token is kept (it is already paid for), then stop
     assert len(chain.tokens) == 1 and chain.reason == "threshold" and chain.confidences[0] < 0.99
     with torch.no_grad():
-        short = draft_chain(state, SkipPlan.whole_layers([1]), limit=2, max_draft=6, threshold=0.0)
+        short = draft_chain(state, WHOLE_LAYER_1, limit=2, max_draft=6, threshold=0.0)
     assert short.reason == "budget" and len(short.tokens) == 2
 
 

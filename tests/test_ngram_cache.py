@@ -4,7 +4,7 @@ import pytest
 
 from specgui import corpus
 from specgui.errors import SpecGUIError
-from specgui.ngram_cache import CORPUS_DIR, CorpusCache, NgramCache, load_corpus
+from specgui.methods.ngram_cache import CORPUS_DIR, CorpusCache, NgramCache, load_corpus
 
 
 def test_insert_is_most_recent_first_and_evicts_the_oldest():

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from specgui.errors import SpecGUIError
-from specgui.prompts import load_prompts
+from specgui.prompts import PromptRow, load_prompts, select
 
 CATEGORIES = {"multi-turn", "translation", "summarization", "qa", "math", "rag", "code"}
 
@@ -50,3 +50,15 @@ def test_duplicates_missing_and_empty_files(tmp_path):
         load_prompts(tmp_path / "missing.jsonl")
     with pytest.raises(SpecGUIError, match="no rows"):
         load_prompts(_write(tmp_path, ["", "  "]))
+
+
+def test_select_takes_the_first_rows_of_each_chosen_category_in_file_order():
+    rows = [PromptRow(f"{c}{i}", c, prompt="x") for i in range(3) for c in ("a", "b", "c")]
+    assert [r.id for r in select(rows)] == [r.id for r in rows]
+    assert [r.id for r in select(rows, per_category=1)] == ["a0", "b0", "c0"]
+    assert [r.id for r in select(rows, ["c", " a"], 2)] == ["a0", "c0", "a1", "c1"]
+    assert select(load_prompts("suite"), per_category=1)[0].category == load_prompts()[0].category
+    with pytest.raises(SpecGUIError, match="no prompts in category 'poetry'"):
+        select(rows, ["a", "poetry"])
+    with pytest.raises(SpecGUIError, match="at least 1"):
+        select(rows, per_category=0)

@@ -10,7 +10,7 @@ import torch
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
 from specgui import corpus, decode, grid, methods
 from specgui.errors import SpecGUIError
-from specgui.ngram_cache import CorpusCache
+from specgui.methods.ngram_cache import CorpusCache
 from specgui.prompts import PromptRow
 from specgui.sampling import GREEDY
 

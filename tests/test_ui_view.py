@@ -149,7 +149,7 @@ def test_first_divergence_reports_position_texts_and_margin():
     verdict = compare(m, b)
     assert verdict.identical is False
     d = verdict.divergence
-    assert (d.position, d.method_text, d.baseline_text) == (2, "<19>", "<12>")
+    assert (d.position, *verdict.texts) == (2, "<19>", "<12>")
     assert d.baseline_margin == 0.0004 and d.near_tie
 
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from specgui.events import Event, Prefill, Start, Step, summarize
-from specgui.loading import LoadedModel
+from specgui.loading import LoadedModel, check, load
 from specgui.ui.page import App, launch_options
 from specgui.ui.runs import ModelStore
 
@@ -60,12 +60,19 @@ def run(*events: Event, stop: str = "length") -> list[Event]:
     return [*events, summarize(steps, first, wall_s=wall, stop=stop, token_ids=tokens, text=text)]
 
 
+def holding(lm: LoadedModel) -> ModelStore:
+    """A model store that already holds `lm` (an in-process model no loader could load by name); any other
+    name goes through the real config check and loader."""
+    store = ModelStore(loader=lambda spec: lm if spec.name == lm.spec.name else load(spec),
+                       check=lambda spec: None if spec.name == lm.spec.name else check(spec))
+    store.get(lm.spec.name)
+    return store
+
+
 @contextmanager
 def served(lm: LoadedModel) -> Iterator[tuple[App, str]]:
     """The page sharing `lm`, launched on a free port: (app, url)."""
-    store = ModelStore()
-    store.put(lm)
-    app = App(store)
+    app = App(holding(lm))
     demo = app.build().queue(default_concurrency_limit=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,14 +1,20 @@
 """Drafting methods by name.
 
-Each module in this package registers its drafter with `@register`; importing the package imports them
-all, so adding a method is adding a module. `create` builds a drafter with its preset parameters for
-a model and device, plus the caller's overrides.
+The package holds one module per method (each registers its drafter with `@register`) and the parts only
+methods use: `layerskip` and `skipdp` (CLaSp, ADMG), `ngram_cache` (Self-Draft), `compress` (Fractal).
+Adding a method takes three things, and nothing in the core or the UI:
+  * a module here whose drafter class is decorated with `@register`,
+  * its module name in `METHODS` below (which also sets the order menus and tables show),
+  * `configs/<name>.yaml` with a default for every field of its `Params` (presets per model / device).
+The app builds the method's parameter panel from its `Params` and shows payload keys it does not know as
+text in the step inspector; keys listed in `specgui.events` get their own drawings.
+
+`create` builds a drafter with its preset parameters for a model and device, plus the caller's overrides.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from typing import Any
 
 from specgui.config import build_params
@@ -17,18 +23,19 @@ from specgui.methods.base import REGISTRY, DecodeState, Drafter, register
 from specgui.runner import Runner
 from specgui.sampling import Sampling
 
-__all__ = ["DecodeState", "Drafter", "create", "get", "names", "params_for", "register"]
+__all__ = ["METHODS", "DecodeState", "Drafter", "create", "get", "names", "params_for", "register"]
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
-        importlib.import_module(f"{__name__}.{_module.name}")
+METHODS = ("baseline", "pld", "clasp", "admg", "selfdraft", "fractal")
 
-ORDER = ("baseline", "pld", "clasp", "admg", "selfdraft", "fractal")
+for _name in METHODS:
+    importlib.import_module(f"{__name__}.{_name}")
+    if _name not in REGISTRY:
+        raise ImportError(f"{__name__}.{_name} registers no drafter named {_name!r}")
 
 
 def names() -> list[str]:
-    """Registered method names, baseline first."""
-    return sorted(REGISTRY, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+    """Method names, in `METHODS` order (baseline first)."""
+    return list(METHODS)
 
 
 def get(name: str) -> type[Drafter]:

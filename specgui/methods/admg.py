@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from specgui.draft import Outcome
-from specgui.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
 from specgui.methods.base import DecodeState, register
+from specgui.methods.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
 from specgui.params import param
-from specgui.runner import SkipPlan
+from specgui.runner import ATTN, SkipPlan, unit_at
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,9 @@ class AcsMeter:
         self.before: torch.Tensor | None = None
 
     def __call__(self, k: int, h: torch.Tensor) -> None:
-        if k % 2 == 1:  # k = 2 * layer + 1: the state after layer's attention
+        if k > 0 and unit_at(k)[1] == ATTN:  # the state after a layer's attention; `before` is its input
             cos = torch.nn.functional.cosine_similarity(self.before.float(), h.float(), dim=-1)  # [1, T]
-            self.acs[(k - 1) // 2] = float(cos.mean())
+            self.acs[unit_at(k)[0]] = float(cos.mean())
         self.before = h
 
 
@@ -80,7 +80,7 @@ class Admg(LayerSkipDrafter):
         return ExitThreshold(p.exit_threshold, target=p.target_acceptance, step=p.exit_step)
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
-        if self.stepping:
+        if not outcome.prefill:
             return {}
         p = self.params
         self.plan = admg_plan(self.meter.acs, p.alpha, p.every, p.keep_last)

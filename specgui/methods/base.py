@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from specgui.draft import Draft, Outcome
+from specgui.kvcache import KVCache
 from specgui.params import NoParams
 from specgui.runner import Observer, Runner
 from specgui.sampling import Sampling
@@ -33,7 +34,7 @@ class DecodeState:
     """The decoding state a drafter may read. `tokens[-1]` is the pending token (not cached yet)."""
 
     runner: Runner
-    cache: Any
+    cache: KVCache
     tokens: list[int]
     prompt_len: int
     sampling: Sampling

@@ -1,7 +1,7 @@
 """`clasp`: CLaSp (in-context layer skip), the target drafts with a skip set re-chosen from context.
 
 After a verify forward, the hidden states of the last accepted token after every sub-layer are exact
-full-model states, computed anyway. CLaSp's dynamic program (`specgui.skipdp`) picks the M units to
+full-model states, computed anyway. CLaSp's dynamic program (`specgui.methods.skipdp`) picks the M units to
 skip whose skipped model stays closest, by cosine, to those states; the next drafts use that set.
 Adjacent tokens want similar skip sets ("sparse persistence"), so the DP runs only every LOI verify
 steps, and only when drafting goes on (the back-off may have paused it). The first DP runs on the
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from specgui.draft import Outcome
-from specgui.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
 from specgui.methods.base import DecodeState, register
+from specgui.methods.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
+from specgui.methods.skipdp import GRANULARITIES, HiddenRecorder, make_units, plan_for, search
 from specgui.params import param
-from specgui.skipdp import GRANULARITIES, HiddenRecorder, make_units, plan_for, search
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,10 @@ class Clasp(LayerSkipDrafter):
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         self.since_dp += 1
-        prefill = not self.stepping
         if not self.recording or self.backoff.paused or state.max_depth == 0:
             return {"reoptimized": False}
         # the last accepted token: the prompt's last row after the prefill, else the verify block's row
-        row = -1 if prefill else outcome.last_row
+        row = -1 if outcome.prefill else outcome.last_row
         position = state.committed - len(outcome.emitted) + len(outcome.path)
         start = time.perf_counter()
         found = search(self.runner, state.cache, position, self.recorder.row(row), self.units, self.budget)
@@ -74,4 +73,4 @@ class Clasp(LayerSkipDrafter):
         self.since_dp = 0
         self.recorder.states.clear()
         payload = {"reoptimized": True, "dp_score": found.score, "dp_ms": self.dp_ms}
-        return {**payload, "skip": self.plan.to_dict()} if prefill else payload
+        return {**payload, "skip": self.plan.to_dict()} if outcome.prefill else payload

@@ -46,13 +46,13 @@ from typing import Any
 
 import torch
 
-from specgui.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
-from specgui.kvcache import FrozenView
+from specgui.kvcache import FrozenView, KVCache
 from specgui.methods.base import DecodeState, Drafter, register
+from specgui.methods.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.params import param
-from specgui.runner import Pass, Runner
+from specgui.runner import MLP, Pass, Runner, unit_index
 from specgui.sampling import Sampling
 
 
@@ -123,8 +123,9 @@ class Splice:
     anchor the slots continue. `guesses[k]` holds the slot tokens set at the k-th fractal layer.
     """
 
-    def __init__(self, plan: Plan, committed: int, exact: int, anchor_position: int) -> None:
+    def __init__(self, plan: Plan, cache: KVCache, committed: int, exact: int, anchor_position: int) -> None:
         self.plan = plan
+        self.cache = cache  # the decode state's: the sub-passes read it through frozen views
         self.committed = committed
         self.exact = exact
         end = anchor_position + 1 + plan.window
@@ -140,11 +141,11 @@ class Splice:
         comp, runner = self.plan.compressed, self.plan.runner
         start = self.plan.clock.mark()
         # upper: layers >= `layer` hold only the committed prefix so far, so every row of the forward runs
-        upper = Pass(runner, self.all_positions, FrozenView(step.cache, self.committed), None)
+        upper = Pass(runner, self.all_positions, FrozenView(self.cache, self.committed), None)
         x = comp.run(upper, h, range(layer, runner.num_layers))
         guesses = comp.logits(x[0, self.exact - 1 : -1]).argmax(-1)  # [w]: anchor and slots 1..w-1 predict
         # lower: layers < `layer` already hold the prefix and this forward's exact rows
-        lower = Pass(runner, self.slot_positions, FrozenView(step.cache, self.committed + self.exact), None)
+        lower = Pass(runner, self.slot_positions, FrozenView(self.cache, self.committed + self.exact), None)
         y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
         self.guesses.append(guesses)
         self.marks.append((start, self.plan.clock.mark()))
@@ -152,7 +153,7 @@ class Splice:
 
     def observer(self, k: int, h: torch.Tensor) -> None:
         """Marks the forward's start (embedding output) and end (last sub-layer) for the time split."""
-        if k == 0 or k == 2 * self.plan.runner.num_layers:
+        if k == 0 or k == unit_index(self.plan.runner.num_layers - 1, MLP):
             self.span.append(self.plan.clock.mark())
 
     def times(self) -> tuple[float, float]:
@@ -216,7 +217,6 @@ class Fractal(Drafter):
         self.plan = Plan(runner, compressed, tuple(layers), params.window or len(layers), _Clock(runner.device))
 
     def begin(self, state: DecodeState) -> None:
-        self.prefilled = False  # the first observe() follows the prompt forward, not a step
         self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
         self.carried_origin: list[int] = []
         self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
@@ -243,8 +243,7 @@ class Fractal(Drafter):
                      info={**self._info(), "origin": origin, "source": source})
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
-        if not self.prefilled:
-            self.prefilled = True
+        if outcome.prefill:
             return {"fractal_layers": list(self.plan.layers), "backend": self.plan.compressed.backend,
                     "compress_ms": self.build_ms}
         self.carried, self.carried_origin = [], []
@@ -261,7 +260,7 @@ class Fractal(Drafter):
     def _draft_forward(self, state: DecodeState) -> tuple[list[int], list[int]]:
         """Own forward over [pending, slots] (the paper's draft phase); the cache is cropped back after."""
         c, w = state.committed, self.plan.window
-        splice = Splice(self.plan, c, exact=1, anchor_position=c)
+        splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c)
         tokens = torch.tensor([state.pending] * (1 + w))  # slots start as copies of the anchor token
         logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice,
                                      observer=splice.observer)
@@ -276,7 +275,7 @@ class Fractal(Drafter):
         """The next draft's slots, riding after `chain` in the verify forward."""
         c, w, n = state.committed, self.plan.window, len(chain)
         anchor = chain[-1] if chain else state.pending
-        self.carrying = Splice(self.plan, c, exact=1 + n, anchor_position=c + n)
+        self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n)
         self.splices.append(self.carrying)
         visibility = torch.ones(w, 1 + n + w, dtype=torch.bool)
         visibility[:, 1 + n :] = torch.ones(w, w, dtype=torch.bool).tril()

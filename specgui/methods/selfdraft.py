@@ -35,7 +35,7 @@ import torch
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.ngram_cache import CorpusCache, NgramCache, load_corpus
+from specgui.methods.ngram_cache import CorpusCache, NgramCache, load_corpus
 from specgui.params import param
 
 

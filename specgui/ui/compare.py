@@ -11,9 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from specgui import bench, hosting
-from specgui.errors import SpecGUIError
 from specgui.loading import LoadedModel
-from specgui.prompts import PromptRow
+from specgui.prompts import PromptRow, select
 from specgui.sampling import Sampling
 
 ALL = "all categories"
@@ -26,26 +25,14 @@ class Stopped(Exception):
 
 def pick_rows(rows: list[PromptRow], category: str, per_category: int) -> list[PromptRow]:
     """The first `per_category` prompts of each category (or of the chosen one)."""
-    if per_category < 1:
-        raise SpecGUIError(f"prompts per category must be at least 1, got {per_category}")
-    kept: dict[str, int] = {}
-    out = []
-    for row in rows:
-        if category not in (ALL, row.category):
-            continue
-        kept[row.category] = kept.get(row.category, 0) + 1
-        if kept[row.category] <= per_category:
-            out.append(row)
-    if not out:
-        raise SpecGUIError(f"no prompts in category {category!r}")
-    return out
+    return select(rows, None if category == ALL else [category], per_category)
 
 
 @hosting.gpu(duration=300)  # a suite is many runs: one GPU slice for all of them
 def run_suite(lm: LoadedModel, rows: list[PromptRow], names: list[str], *, max_new_tokens: int, repeats: int,
               sampling: Sampling, progress: Callable[[int, int], None], stop: threading.Event) -> dict[str, Any]:
     """Bench `names` (baseline added) on `rows`; `progress(done, total)` after every run."""
-    chosen = bench.check_methods(names)
+    chosen = bench.entries_for(names)
     total = len(rows) * len(chosen) * repeats
     done = 0
 

@@ -108,7 +108,7 @@ def method_help() -> str:
 
 
 def max_new_tokens_cap() -> int:
-    return int(decoding_defaults().get("max_new_tokens_cap", 1024))
+    return int(decoding_defaults()["max_new_tokens_cap"])
 
 
 def sampling_from(mode: str, temperature: float, top_p: float, seed: float | None) -> Sampling:

@@ -29,7 +29,7 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import hosting, methods
+from specgui import ASSETS_DIR, hosting, methods
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.events import MAX_TRACE_BYTES, load_trace, save_trace, to_json
@@ -42,7 +42,6 @@ from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequ
 from specgui.ui.view import RunView, TokenText
 from specgui.ui.view import compare as compare_views
 
-ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
 KEEP_TRACES = 64  # runs whose trace files stay on disk (gradio serves its own copies, cleaned by delete_cache)
 GRADIO_CACHE = (3600, 3600)  # delete gradio's cached files older than an hour, hourly
 CHART_S = 4.0  # charts are whole-figure updates (costly in the browser): redraw this often mid-run
@@ -117,13 +116,13 @@ class App:
                 with gr.Accordion("Decoding", open=True):
                     self.mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Mode")
                     with gr.Group(visible=False) as sampling_box:
-                        temperature = self.defaults.get("temperature") or 0.7  # the YAML's 0 means greedy
+                        temperature = self.defaults["temperature"] or 0.7  # the YAML's 0 means greedy
                         self.temperature = gr.Slider(0.05, 2.0, value=temperature, step=0.05, label="Temperature")
-                        self.top_p = gr.Slider(0.05, 1.0, value=self.defaults.get("top_p", 1.0), step=0.05,
+                        self.top_p = gr.Slider(0.05, 1.0, value=self.defaults["top_p"], step=0.05,
                                                label="Top-p")
                         self.seed = gr.Number(None, precision=0, label="Seed (empty: random)")
                     self.max_new = gr.Slider(1, controls.max_new_tokens_cap(), step=1, elem_id="sg-max-new",
-                                             value=self.defaults.get("max_new_tokens", 128), label="Max new tokens")
+                                             value=self.defaults["max_new_tokens"], label="Max new tokens")
                 self.example = gr.Dropdown(list(self.examples), value=None, label="Example from the built-in suite",
                                            elem_id="sg-example")
                 self.prompt = gr.Textbox(label="Prompt", lines=4, elem_id="sg-prompt",
@@ -433,4 +432,4 @@ def _model_help() -> str:
 def launch_options() -> dict[str, Any]:
     """Theme and stylesheet for `launch` (gradio 6 takes them there): local fonts, no CDN; uploads are
     refused above the trace size cap before they reach a handler."""
-    return {"css_paths": [ASSETS / "app.css"], "theme": gr.themes.Default(), "max_file_size": MAX_TRACE_BYTES}
+    return {"css_paths": [ASSETS_DIR / "app.css"], "theme": gr.themes.Default(), "max_file_size": MAX_TRACE_BYTES}

@@ -227,8 +227,8 @@ def summary(method: RunView, baseline: RunView, comparison: Comparison) -> str:
         margin = f", baseline top-2 margin {d.baseline_margin:.3g}" if d.baseline_margin is not None else ""
         kind = "a numerical near-tie" if d.near_tie else "not a near-tie"
         verdict = (f'<span class="sg-badge sg-diverged">✗ first divergence at token {d.position}</span> '
-                   f'baseline <code>{esc(repr(d.baseline_text))}</code> vs method '
-                   f'<code>{esc(repr(d.method_text))}</code>{esc(margin)} ({kind})')
+                   f'baseline <code>{esc(repr(comparison.texts[1]))}</code> vs method '
+                   f'<code>{esc(repr(comparison.texts[0]))}</code>{esc(margin)} ({kind})')
     else:
         verdict = f'<span class="sg-badge sg-na">{esc(comparison.note)}</span>'
     cached = (f" Baseline reused from the cache (same model, prompt and settings, recorded "

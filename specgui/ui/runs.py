@@ -102,14 +102,9 @@ class ModelStore:
                 self._lm = DEVICE.submit(self._loader, spec).result()
             return self._lm
 
-    def put(self, lm: LoadedModel) -> None:
-        """Share an already loaded model (tests, or a caller that loaded with special options)."""
-        with self._load_lock:
-            self._lm = lm
-
 
 class BaselineCache:
-    """Finished baseline runs by (model, device, prompt ids, settings), most recent first."""
+    """Finished baseline runs by (model, device, prompt ids, settings); past `size`, the least recently used goes."""
 
     def __init__(self, size: int = 32) -> None:
         self.size = size
@@ -198,10 +193,6 @@ class Worker:
         """Ask the source to stop (if it still runs) and wait until it has."""
         self._cancel.set()
         self._future.result()
-
-    @property
-    def alive(self) -> bool:
-        return not self._future.done()
 
 
 class StopFlags:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specgui.equality import Divergence, first_divergence
 from specgui.events import Event, Prefill, Start, Step, Summary
 
-NEAR_TIE = 1e-3  # logit margins below this are float noise between two batch shapes (as in bench)
 # Token kinds in the method pane: how each piece of text came to be there.
 ACCEPTED, BONUS, CORRECTION, REJECTED = "accepted", "bonus", "correction", "rejected"
 DISCARDED = "discarded"  # a draft node below a rejected one (inspector only)
@@ -298,18 +298,6 @@ class RunView:
 
 
 @dataclass(frozen=True)
-class Divergence:
-    position: int
-    method_text: str | None  # None: the method's output ended here
-    baseline_text: str | None
-    baseline_margin: float | None
-
-    @property
-    def near_tie(self) -> bool:
-        return self.baseline_margin is not None and self.baseline_margin < NEAR_TIE
-
-
-@dataclass(frozen=True)
 class Comparison:
     """The verdict shown after both runs: `identical` is None where token identity does not apply."""
 
@@ -317,6 +305,7 @@ class Comparison:
     identical: bool | None
     divergence: Divergence | None
     note: str  # why identity does not apply, or ""
+    texts: tuple[str | None, str | None] = (None, None)  # (method, baseline) text at the divergence
 
 
 def compare(method: RunView, baseline: RunView) -> Comparison:
@@ -331,13 +320,11 @@ def compare(method: RunView, baseline: RunView) -> Comparison:
         return Comparison(None, None, None, "a run was stopped before the end")
     if not method.greedy:
         return Comparison(speedup, None, None, "sampling: outputs are samples (lossless in distribution)")
-    if method.token_ids == baseline.token_ids:
+    found = first_divergence(method.token_ids, baseline.token_ids, baseline.margins)
+    if found is None:
         return Comparison(speedup, True, None, "")
-    pos = next((i for i, (a, c) in enumerate(zip(method.token_ids, baseline.token_ids)) if a != c),
-               min(len(method.token_ids), len(baseline.token_ids)))
 
     def text(view: RunView) -> str | None:
-        return view.pieces[pos] if pos < len(view.pieces) else None
+        return view.pieces[found.position] if found.position < len(view.pieces) else None
 
-    margin = baseline.margins[pos] if pos < len(baseline.margins) else None
-    return Comparison(speedup, False, Divergence(pos, text(method), text(baseline), margin), "")
+    return Comparison(speedup, False, found, "", (text(method), text(baseline)))

@@ -18,7 +18,6 @@ Sampling stays lossless because every draft token carries the distribution it wa
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -162,9 +161,6 @@ class LayerSkipDrafter(Drafter):
         self.exit = self.make_exit()
         self.backoff = BackOff(self.params.backoff_window, self.params.max_pause)
         self.chain: Chain | None = None
-        self.draft_ms = 0.0
-        self.draft_end = time.perf_counter()
-        self.stepping = False  # False until the first draft: observe's first call follows the prefill
         return None
 
     def make_exit(self) -> ExitThreshold:
@@ -175,33 +171,28 @@ class LayerSkipDrafter(Drafter):
         return 0.0
 
     def draft(self, state: DecodeState) -> Draft:
-        start = time.perf_counter()
-        self.stepping = True
         limit = min(self.params.max_draft, state.max_depth)
         drafting = self.backoff.drafting() and limit > 0
         self.chain = draft_chain(state, self.plan, limit, self.params.max_draft, self.exit.value) if drafting else None
         shown = self.chain or Chain([], None, [], "paused" if limit > 0 else "budget")
-        info = {"skip": self.plan.to_dict(), "draft_len": limit if drafting else 0,
+        skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
+        info = {"skip": skipped.to_dict(), "draft_len": limit if drafting else 0,
                 "exit": {"threshold": self.exit.value, "confidences": shown.confidences, "reason": shown.reason}}
-        draft = Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info)
-        self.draft_end = time.perf_counter()
-        self.draft_ms = (self.draft_end - start) * 1000
-        return draft
+        return Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info)
 
     def observer(self, drafting: bool) -> Observer | None:
         """An observer for this step's verify forward (CLaSp records hidden states); None by default."""
         return None
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
-        verify_ms = (time.perf_counter() - self.draft_end) * 1000
         payload: dict[str, Any] = {}
-        if self.stepping:
+        if not outcome.prefill:
             if self.chain is None:
-                self.backoff.plain_step(verify_ms)
+                self.backoff.plain_step(outcome.verify_ms)
             else:
                 self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
-                self.backoff.drafted_step(1 + outcome.accepted, verify_ms,
-                                          self.draft_ms + verify_ms + self.overhead_ms())
+                self.backoff.drafted_step(1 + outcome.accepted, outcome.verify_ms,
+                                          outcome.draft_ms + outcome.verify_ms + self.overhead_ms())
                 payload["gain"] = self.backoff.gain
         payload.update(self.learn(state, outcome))
         return payload

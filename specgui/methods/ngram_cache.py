@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from specgui import ASSETS_DIR
 from specgui.errors import SpecGUIError
 
 Key = tuple[int, ...]
 Gram = tuple[int, ...]
 
-CORPUS_DIR = Path(__file__).resolve().parent.parent / "assets" / "corpus"
+CORPUS_DIR = ASSETS_DIR / "corpus"
 CORPUS_FORMAT = "specgui-ngram-cache"
 
 

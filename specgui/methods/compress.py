@@ -4,13 +4,16 @@ Fractal splices a compressed copy of the model into the full model's own forward
 having only if it is cheaper than the full-precision stack on the same device. Which int8 kernel is
 cheaper differs by device, so the backend is a choice:
 
-  * "bnb" (CUDA): bitsandbytes' LLM.int8 `Linear8bitLt` (outlier threshold 6.0, transformers' default),
+  * "bnb-int8" (CUDA): bitsandbytes' LLM.int8 `Linear8bitLt` (outlier threshold 6.0, transformers' default),
     the paper's choice. bitsandbytes also runs it on CPU, but there it was ~5x *slower* than fp32.
-  * "dynamic" (CPU): torch's dynamic int8 linear (fbgemm/oneDNN, VNNI on this machine): int8 weights with
+  * "torch-int8" (CPU): torch's dynamic int8 linear (fbgemm/oneDNN, VNNI on this machine): int8 weights with
     a scale per output channel, activations quantized per call. On the embedded model's shapes it took
     22-55 us against fp32's 28-220 us per linear over 1-9 rows, and the LM head 0.4-0.8 ms against 3-10 ms
     (measured against the small-batch fp32 kernel of `specgui/kernels.py`). Weight-only
     `torch._weight_int8pack_mm` has no fast fp32 path here (>10x slower than fp32).
+  * "torch-fp16" (CPU): fbgemm's fp16-weight linear, not int8: the measured comparison point for the
+    int8 path's accuracy against its cost.
+"auto" picks bnb-int8 on CUDA and torch-int8 elsewhere.
 
 The final norm is shared with the model (a vector of `hidden` weights: nothing to compress or gain). The
 embedding is an int8 table with one scale per row: a lookup of a few rows costs nothing either way, but
@@ -39,8 +42,6 @@ from torch import nn
 from specgui.errors import SpecGUIError
 from specgui.runner import ATTN, MLP, Pass, Runner, execution_device
 
-# "auto" picks bnb-int8 on CUDA and torch-int8 elsewhere; torch-fp16 (fp16 weights, fp32 arithmetic) is
-# not int8: it is the measured comparison point for the CPU int8 path's accuracy/cost trade.
 BACKENDS = ("auto", "torch-int8", "bnb-int8", "torch-fp16")
 BNB_THRESHOLD = 6.0  # LLM.int8 outlier threshold: transformers' `BitsAndBytesConfig` default
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgui.kvcache import FrozenView
-from specgui.runner import ATTN, MLP, Pass, Runner, SkipPlan
+from specgui.kvcache import FrozenView, KVCache
+from specgui.runner import ATTN, MLP, Pass, Runner, SkipPlan, unit_index
 
 Unit = tuple[tuple[int, int], ...]  # the (layer, kind) sub-layers one DP decision covers, in order
 GRANULARITIES = ("layer", "sublayer")
@@ -47,9 +47,8 @@ def plan_for(units: list[Unit], skipped: list[int]) -> SkipPlan:
 
 
 def unit_end(unit: Unit) -> int:
-    """Observer index of the hidden state after a unit (k = 2 * layer + kind + 1)."""
-    layer, kind = unit[-1]
-    return 2 * layer + kind + 1
+    """Observer index of the hidden state after a unit."""
+    return unit_index(*unit[-1])
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class SkipSearch:
     score: float  # cosine of the skipped model's final state to the full model's
 
 
-def search(runner: Runner, cache, position: int, hidden: torch.Tensor, units: list[Unit], budget: int,
+def search(runner: Runner, cache: KVCache, position: int, hidden: torch.Tensor, units: list[Unit], budget: int,
            allowed: set[int] | None = None) -> SkipSearch:
     """Choose `budget` units (from `allowed`, default all) to skip at `position`.
 
@@ -110,7 +109,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _RowPasses:
     """Runs a batch of DP states through one unit: rows at one position, each seeing the prefix and itself."""
 
-    def __init__(self, runner: Runner, cache, position: int) -> None:
+    def __init__(self, runner: Runner, cache: KVCache, position: int) -> None:
         self.runner = runner
         self.view = FrozenView(cache, position)
         self.position = position
