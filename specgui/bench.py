@@ -4,12 +4,14 @@ How the numbers are made (Spec-Bench's conventions): one warm-up run per method 
 (prompt, method) pair runs `repeats` times and keeps the median wall time; methods take turns per prompt
 in a rotating order so drift in machine load spreads evenly; tokens/s is total new tokens over total
 time; speedup is a method's tokens/s over `baseline`'s; tau is tokens per verify forward (the
-verifier's own token included). `hf-generate` and `hf-pld` are transformers' own greedy `generate` and
-prompt-lookup decoding on the same model, so the baseline can be checked against them.
+verifier's own token included). `hf-generate`, `hf-static` and `hf-pld` are transformers' own greedy
+`generate` (with its dynamic cache, with a static cache, which it compiles on a GPU) and prompt-lookup
+decoding on the same model, so the baseline can be checked against them.
 
 If a method's greedy output differs from baseline's, the report names the prompt, the first differing
-position and the baseline's top-1 minus top-2 logit margin there: a margin near zero is a numerical
-near-tie between two batch shapes, a large one is a bug.
+position and the baseline's top-1 minus top-2 logit margin there, beside the logit noise between batch
+shapes measured once per run in the run's dtype (`specgui.equality`): a margin within the noise is a
+numerical near-tie, a larger one is a bug.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ from typing import Any
 
 import torch
 
-from specgui import decode, methods
-from specgui.equality import first_divergence
+from specgui import decode, fastpath, methods
+from specgui.equality import first_divergence, logit_noise
 from specgui.loading import LoadedModel
 from specgui.prompts import PromptRow
 from specgui.sampling import GREEDY, Sampling
 
 
-def _hf_generate(lm: LoadedModel, ids: list[int], max_new: int, sampling: Sampling, lookup: int | None) -> tuple:
+def _hf_generate(lm: LoadedModel, ids: list[int], max_new: int, sampling: Sampling, lookup: int | None = None,
+                 cache: str | None = None) -> tuple:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(
+    config = GenerationConfig(cache_implementation=cache,
         max_new_tokens=max_new, do_sample=not sampling.greedy, eos_token_id=sorted(lm.stop_ids) or None,
         pad_token_id=min(lm.stop_ids) if lm.stop_ids else None,
         temperature=sampling.temperature if not sampling.greedy else None,
@@ -54,8 +57,10 @@ def _hf_generate(lm: LoadedModel, ids: list[int], max_new: int, sampling: Sampli
 
 
 REFERENCES: dict[str, Callable] = {
-    "hf-generate": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, None),
-    "hf-pld": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, 10),
+    "hf-generate": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s),
+    "hf-pld": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, lookup=10),
+    # a static cache, which transformers compiles on a GPU (on first use, and again for new prompt lengths)
+    "hf-static": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, cache="static"),
 }
 
 
@@ -105,12 +110,13 @@ def entries_for(names: Iterable[str], params: dict[str, dict[str, Any]] | None =
 
 
 def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max_new: int, sampling: Sampling,
-               params: dict[str, Any] | None) -> Run:
+               params: dict[str, Any] | None, fast_path: str = "auto") -> Run:
     """One run of one method on one prompt."""
     if method in REFERENCES:
         tokens, wall = REFERENCES[method](lm, ids, max_new, sampling)
         return Run(row.id, row.category, method, tokens, [wall])
-    result = decode.run(lm, ids, method, max_new_tokens=max_new, sampling=sampling, params=params)
+    result = decode.run(lm, ids, method, max_new_tokens=max_new, sampling=sampling, params=params,
+                        fast_path=fast_path)
     s, steps = result.summary, result.steps
     phase: dict[str, float] = {"draft": s.draft_s * 1000, "verify": s.verify_s * 1000, "overhead": s.overhead_s * 1000}
     for step in steps:
@@ -123,43 +129,64 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
                margins=result.margins, phase_ms=phase)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What every run of one bench shares."""
+
+    max_new_tokens: int = 128
+    repeats: int = 1
+    sampling: Sampling = GREEDY
+    fast_path: str = "auto"
+
+
 def bench(
     lm: LoadedModel,
     rows: list[PromptRow],
     entries: list[Entry],
+    settings: Settings = Settings(),
     *,
-    max_new_tokens: int = 128,
-    repeats: int = 1,
-    sampling: Sampling = GREEDY,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[Entry, PromptRow], None] | None = None,
+    partial: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; return the report (see `report_json` for its shape). `entries[0]` must be baseline."""
+    """Run the suite; return the report (see `report_json`). `entries[0]` must be baseline.
+
+    `progress` hears of every finished run, before the next starts; `partial` gets the report of the
+    prompts finished so far (`"complete": false`) after each prompt, so a bench stopped part-way keeps
+    what it measured.
+    """
     if not entries or entries[0].method != "baseline":
         raise ValueError("a bench's first entry is the baseline every speedup is measured against")
     for entry in entries:  # bad parameters fail here, before anything is timed
         if entry.method not in REFERENCES:
             methods.params_for(entry.method, lm.name, lm.runner.device.type, entry.params)
+    fast = fastpath.resolve(settings.fast_path, lm.runner)
     encoded = [row.encode(lm.tokenizer) for row in rows]
-    for entry in entries:  # warm-up, excluded
-        run_method(lm, rows[0], encoded[0], entry.method, min(16, max_new_tokens), sampling, entry.params)
+    for entry in entries:  # warm-up, excluded (on the fast path it also captures the graphs)
+        run_method(lm, rows[0], encoded[0], entry.method, min(16, settings.max_new_tokens), settings.sampling,
+                   entry.params, settings.fast_path)
+    noise = logit_noise(lm.runner, encoded[:3], fast_path=fast)
     runs: dict[tuple[str, str], Run] = {}
-    for repeat in range(repeats):
+    for repeat in range(settings.repeats):
         for i, (row, ids) in enumerate(zip(rows, encoded)):
             shift = (i + repeat) % len(entries)
             for entry in entries[shift:] + entries[:shift]:
-                run = run_method(lm, row, ids, entry.method, max_new_tokens, sampling, entry.params)
+                run = run_method(lm, row, ids, entry.method, settings.max_new_tokens, settings.sampling,
+                                 entry.params, settings.fast_path)
                 key = (row.id, entry.label)
                 if key in runs:
                     runs[key].walls.extend(run.walls)
                 else:
                     runs[key] = run
                 if progress is not None:
-                    progress(1)
-    return report_json(lm, rows, entries, runs, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
+                    progress(entry, row)
+            if partial is not None and (repeat, i) != (settings.repeats - 1, len(rows) - 1):
+                done = rows if repeat else rows[: i + 1]
+                partial(report_json(lm, done, entries, runs, settings, noise=noise, fast=fast, complete=False))
+    return report_json(lm, rows, entries, runs, settings, noise=noise, fast=fast, complete=True)
 
 
-def _divergence(run: Run, base: Run) -> dict[str, Any] | None:
-    found = first_divergence(run.tokens, base.tokens, base.margins)
+def _divergence(run: Run, base: Run, noise: float) -> dict[str, Any] | None:
+    found = first_divergence(run.tokens, base.tokens, base.margins, noise)
     return None if found is None else dataclasses.asdict(found)
 
 
@@ -176,26 +203,37 @@ def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[
         "mean_accepted": (sum(r.emitted_in_steps for r in group) / steps if steps else None) if native else None,
         "acceptance_rate": (sum(r.accepted for r in group) / drafted if drafted else None) if native else None,
         "identical": sum(1 for r in group if r.identical) if greedy else None,
+        "ties": sum(1 for r in group if r.divergence and r.divergence["near_tie"]) if greedy else None,
         "total": len(group),
         "new_tokens": tokens,
         "wall_s": wall,
     }
 
 
-def report_json(lm, rows, entries, runs, *, max_new_tokens, repeats, sampling) -> dict[str, Any]:
-    """The bench report: per entry label, overall ("methods") and per category, plus every prompt's row."""
+def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], runs: dict[tuple[str, str], Run],
+                settings: Settings, *, noise: float, fast: bool, complete: bool) -> dict[str, Any]:
+    """The bench report: per entry label, overall ("methods") and per category, plus every prompt's row.
+
+    `logit_noise` is the measured disagreement of two batch shapes (`specgui.equality.logit_noise`): a
+    greedy divergence where the baseline's top-2 margin is within it counts as a near-tie ("ties").
+    """
+    sampling = settings.sampling
     base_label = entries[0].label
-    for (prompt_id, _), run in runs.items():
-        run.divergence = _divergence(run, runs[(prompt_id, base_label)])
-        run.identical = run.divergence is None
+    for row in rows:
+        for entry in entries:
+            run = runs[(row.id, entry.label)]
+            run.divergence = _divergence(run, runs[(row.id, base_label)], noise)
+            run.identical = run.divergence is None
     categories = list(dict.fromkeys(r.category for r in rows))
     labels = [e.label for e in entries]
     by_label = {label: [runs[(r.id, label)] for r in rows] for label in labels}
     base_rate = _aggregate(by_label[base_label], None, sampling.greedy)["tokens_per_s"]
     report: dict[str, Any] = {
-        "model": lm.name, "device": str(lm.runner.device), "max_new_tokens": max_new_tokens, "repeats": repeats,
-        "sampling": sampling.to_dict(), "prompts": len(rows), "methods": {}, "categories": {}, "per_prompt": [],
-        "profile": {}, "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
+        "model": lm.name, "device": str(lm.runner.device), "dtype": str(lm.runner.dtype).removeprefix("torch."),
+        "fast_path": fast, "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
+        "sampling": sampling.to_dict(), "prompts": len(rows), "complete": complete, "logit_noise": noise,
+        "methods": {}, "categories": {}, "per_prompt": [], "profile": {},
+        "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
     }
     for label in labels:
         report["methods"][label] = _aggregate(by_label[label], base_rate, sampling.greedy)
@@ -239,16 +277,24 @@ def _profile(group: list[Run]) -> dict[str, float]:
 
 def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
     """Plain-text tables: per method, per category, divergences (and phase profile)."""
-    lines = [f"model {report['model']} on {report['device']}, {report['prompts']} prompts, "
-             f"max {report['max_new_tokens']} new tokens, median of {report['repeats']} repeat(s), "
-             f"temperature {report['sampling']['temperature']}"]
-    header = f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'tau':>6} {'accept':>7} {'identical':>10}"
+    path = "fast path" if report["fast_path"] else "eager"
+    lines = [f"model {report['model']} on {report['device']} ({report['dtype']}, {path}), {report['prompts']} "
+             f"prompts, max {report['max_new_tokens']} new tokens, median of {report['repeats']} repeat(s), "
+             f"temperature {report['sampling']['temperature']}",
+             f"logit noise between batch shapes: {report['logit_noise']:.3g} (a divergence whose baseline top-2 "
+             "margin is within it is a near-tie)"]
+    if not report["complete"]:
+        lines.append("INCOMPLETE: the bench stopped before every prompt ran")
+    header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'tau':>6} {'accept':>7} {'identical':>10} "
+              f"{'ties':>5}")
 
     def row(name: str, agg: dict[str, Any]) -> str:
         tau = f"{agg['mean_accepted']:.2f}" if agg["mean_accepted"] is not None else "-"
         acc = f"{agg['acceptance_rate']:.0%}" if agg["acceptance_rate"] is not None else "-"
         ident = f"{agg['identical']}/{agg['total']}" if agg["identical"] is not None else "n/a"
-        return f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {tau:>6} {acc:>7} {ident:>10}"
+        ties = str(agg["ties"]) if agg["ties"] is not None else "-"
+        return (f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {tau:>6} {acc:>7} {ident:>10} "
+                f"{ties:>5}")
 
     lines += ["", "overall", header] + [row(n, a) for n, a in report["methods"].items()]
     for cat, per in report["categories"].items():
@@ -259,7 +305,7 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
         for p in diverged:
             d = p["divergence"]
             margin = f"{d['baseline_margin']:.4g}" if d["baseline_margin"] is not None else "?"
-            verdict = "numerical near-tie" if d["near_tie"] else "NOT a near-tie: a bug"
+            verdict = "a near-tie (within the logit noise)" if d["near_tie"] else "NOT within the logit noise: a bug"
             lines.append(f"  {p['method']} on {p['id']}: first differs at token {d['position']} "
                          f"(baseline {d['baseline_token']}, method {d['method_token']}), "
                          f"baseline top-2 margin {margin} -> {verdict}")

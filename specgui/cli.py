@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded", help="'embedded' (default), a hub id or a local directory")
+    p.add_argument("--model", default="embedded", help="'embedded' (default), a hub id, a local directory, or "
+                   "random:SHAPE (real shape, random weights: smollm2-135m, llama-1b, llama-3b, llama-8b)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
@@ -48,6 +50,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter override (bench: METHOD.KEY=VALUE); repeatable")
+    p.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto",
+                   help="static shapes and CUDA graphs (auto: on a CUDA GPU; see specgui/fastpath.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     lm = load_model(args)
     ids = encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw)
     events = list(decode.generate(lm, ids, args.method, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                  params=overrides, prompt_text=args.prompt))
+                                  params=overrides, prompt_text=args.prompt, fast_path=args.fast_path))
     summary: Summary = events[-1]
     print(summary.text)
     print(f"[{args.method}] {summary.new_tokens} tokens in {summary.wall_s:.2f} s = {summary.tokens_per_s:.1f} tok/s, "
@@ -150,7 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specgui import bench
-    from specgui.prompts import load_prompts, select
+    from specgui.prompts import PromptRow, load_prompts, select
 
     sampling = _sampling(args)
     entries = bench.entries_for(args.methods.split(","), _overrides(args.param, scoped=True))
@@ -162,12 +166,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not parent.is_dir():
             raise SpecGUIError(f"cannot write results: folder {str(parent)!r} does not exist")
     lm = load_model(args)
+    settings = bench.Settings(max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=sampling,
+                              fast_path=args.fast_path)
+
+    def save(report: dict) -> None:  # after every prompt, so that a stopped bench keeps its rows
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
+
     with tqdm(total=len(rows) * len(entries) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
-        report = bench.bench(lm, rows, entries, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                             sampling=sampling, progress=bar.update)
+
+        def progress(entry: bench.Entry, row: PromptRow) -> None:
+            bar.set_postfix_str(f"{entry.label} on {row.id}", refresh=False)
+            bar.update()
+
+        report = bench.bench(lm, rows, entries, settings, progress=progress, partial=save)
+    save(report)
     print(bench.format_report(report, profile=args.profile))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
 
 
 def cmd_methods(args: argparse.Namespace) -> None:
@@ -181,6 +195,7 @@ def cmd_methods(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
         args = build_parser().parse_args(argv)
         {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods}[args.command](args)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specgui import kvcache, methods
+from specgui import fastpath, kvcache, methods
 from specgui.draft import Draft, Outcome
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
@@ -57,29 +57,41 @@ class Result:
 
 
 class _Clock:
-    """Accumulates time spent inside the generator; `lap()` returns ms since the last lap."""
+    """Time spent inside the generator, phase by phase.
+
+    `mark()` ends a phase, `read()` returns the ms of the phases marked since the last read. On a GPU the
+    marks are CUDA events and `read` waits only for the last one, so nothing stalls between drafting and
+    the verify forward: the loop reads after the verdict, which has waited for the device anyway.
+    """
 
     def __init__(self, device: torch.device) -> None:
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.cuda = device.type == "cuda"
         self.total = 0.0
-        self.last = self._now()
+        self.marks = [self._now()]
 
-    def _now(self) -> float:
-        self.sync()
-        return time.perf_counter()
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def lap(self) -> float:
-        now = self._now()
-        elapsed, self.last = now - self.last, now
-        self.total += elapsed
-        return elapsed * 1000
+    def mark(self) -> None:
+        self.marks.append(self._now())
 
-    def pause(self) -> None:
-        """Stop counting until `resume` (the gap is the consumer's time, not the method's)."""
-        self.lap()
+    def read(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            ms = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            ms = [(b - a) * 1000 for a, b in zip(self.marks, self.marks[1:])]
+        self.marks = self.marks[-1:]
+        self.total += sum(ms) / 1000
+        return ms
 
     def resume(self) -> None:
-        self.last = self._now()
+        """Start counting again after a pause (the gap was the consumer's time, not the method's)."""
+        self.marks = [self._now()]
 
 
 def generate(
@@ -92,18 +104,24 @@ def generate(
     params: dict[str, Any] | None = None,
     prompt_text: str = "",
     should_stop: Callable[[], bool] | None = None,
+    fast_path: str = "auto",
 ) -> Iterator[Event]:
-    """Decode with `method`, yielding Start, Prefill, one Step per cycle, then Summary."""
+    """Decode with `method`, yielding Start, Prefill, one Step per cycle, then Summary.
+
+    `fast_path` ("auto": on a CUDA GPU, "on", "off") runs every forward in static shapes over a
+    fixed-capacity cache, as CUDA graph replays on a GPU (`specgui.fastpath`); the tokens are the same.
+    """
     _check_request(lm, prompt_ids, max_new_tokens)
     runner = lm.runner
     drafter = methods.create(method, runner, lm.name, sampling, params)
     generator = None if sampling.greedy else sampling.generator(runner.head_device)
-    state = DecodeState(runner, kvcache.KVCache(), list(prompt_ids), len(prompt_ids), sampling, generator,
-                        max_new_tokens)
+    static = fastpath.resolve(fast_path, runner)
+    cache = fastpath.cache_for(runner, len(prompt_ids) + max_new_tokens) if static else kvcache.KVCache()
+    state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
-                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text)
+                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static)
 
     with torch.inference_mode():
         clock = _Clock(runner.device)
@@ -113,11 +131,12 @@ def generate(
                                 observer=drafter.begin(state), logits_rows=slice(n - 1, n))
         first = pick(logits[0], sampling, generator)
         state.tokens.append(first)
-        prefill_ms = clock.lap()
+        clock.mark()
+        [prefill_ms] = clock.read()
         payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_logits=None,
                                                  prefill=True, verify_ms=prefill_ms))
-        overhead_ms = clock.lap()
-        clock.pause()  # building events (detokenizing) is presentation, not decoding
+        clock.mark()
+        [overhead_ms] = clock.read()  # the clock stops: building events (detokenizing) is presentation
         prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=_margins(logits)[0],
                           ms=prefill_ms, overhead_ms=overhead_ms, payload=payload)
         yield prefill
@@ -132,7 +151,7 @@ def generate(
             context = state.tokens[-4:]
             # 1. draft
             draft = drafter.draft(state)
-            draft_ms = clock.lap()
+            clock.mark()
             # 2. verify: one target forward over the pending token, the tree and any extras
             logits, extra_logits = _verify_forward(state, draft)
             verdict = verify(logits, draft, sampling, generator)
@@ -142,14 +161,15 @@ def generate(
             # 4. crop: keep the pending token and the accepted nodes' keys, drop the rest
             state.cache.keep(state.committed, [0] + [i + 1 for i in verdict.path])
             state.tokens.extend(emitted)
-            verify_ms = clock.lap()
+            clock.mark()
+            draft_ms, verify_ms = clock.read()  # the verdict has waited for the device: nothing stalls here
             # 5. observe
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_logits=extra_logits,
                               draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}
             state.step += 1
-            overhead_ms = clock.lap()
-            clock.pause()
+            clock.mark()
+            [overhead_ms] = clock.read()
             step = Step(
                 index=state.step, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
                 draft_pieces=tuple(_draft_pieces(lm, context, draft)), path=tuple(verdict.path),
@@ -163,7 +183,6 @@ def generate(
             yield step
             clock.resume()
 
-        clock.lap()
         generated = tuple(state.tokens[state.prompt_len :])
         text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)
         yield summarize(steps, prefill, wall_s=clock.total, stop=stop, token_ids=generated, text=text)

@@ -1,18 +1,30 @@
 """Greedy equality with baseline, and how a difference explains itself.
 
 Lossless greedy decoding means a method's output equals `baseline`'s token for token. Verify forwards run
-several tokens at once, and the same logits computed over another batch shape can differ in the last
-bits, so where the baseline's top-1 and top-2 logits are within that noise either token is the model's
-answer: such a divergence is a numerical near-tie, not a bug. Everything that compares two greedy runs
-(the bench's tables, the app's verdict) asks `first_divergence`.
+several tokens at once, and the same logits computed over another batch shape differ in the last bits
+(other kernels, other summation orders). Where the baseline's top-1 and top-2 logits are within that
+noise, either token is the model's answer: such a divergence is a numerical near-tie, not a bug. How
+large the noise is depends on the dtype and the hardware (fp32 on a CPU: ~1e-5; bf16 on a GPU, where a
+logit of 16-32 moves in steps of 0.125: a few tenths), so `logit_noise` measures it on the model in
+hand instead of assuming it. Everything that compares two greedy runs (the bench's tables, the app's
+verdict) asks `first_divergence`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-NEAR_TIE = 1e-3  # float32 noise between two batch shapes, as a top-2 logit margin
+import torch
+
+from specgui import fastpath
+from specgui.kvcache import KVCache
+from specgui.runner import Runner
+
+NEAR_TIE = 1e-3  # a fallback where nothing was measured: float32 noise of two batch shapes, with room
+SIZES = (2, 4, 8, 16, 32, 64)  # block sizes whose first row is compared with a one-token forward
+_MEASURED: weakref.WeakKeyDictionary[Runner, dict[bool, float]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -35,4 +47,33 @@ def first_divergence(method: Sequence[int], baseline: Sequence[int], baseline_ma
     margin = baseline_margins[pos] if pos < len(baseline_margins) else None
     return Divergence(position=pos, baseline_token=baseline[pos] if pos < len(baseline) else None,
                       method_token=method[pos] if pos < len(method) else None, baseline_margin=margin,
-                      near_tie=margin is not None and margin < noise)
+                      near_tie=margin is not None and margin <= noise)
+
+
+def logit_noise(runner: Runner, prompts: Sequence[Sequence[int]], *, fast_path: bool = False) -> float:
+    """The largest |logit difference| between a token's one-token forward and the same token as the first
+    row of a multi-token forward (2 ... 64 tokens) over the same prefix, in the runner's dtype and on the
+    path decoding takes (`fast_path`): how far two batch shapes disagree on this model and hardware.
+
+    Each prompt is split in half: the first half is the prefix, the second (repeated as needed) the block.
+    Measured once per runner and path; later calls return the first figure.
+    """
+    known = _MEASURED.setdefault(runner, {})
+    if fast_path in known:
+        return known[fast_path]
+    noise = 0.0
+    with torch.inference_mode():
+        for ids in prompts:
+            n = len(ids) // 2
+            if n < 1:
+                continue
+            block = (list(ids[n:]) * SIZES[-1])[: SIZES[-1]]
+            cache = fastpath.cache_for(runner, len(ids) + SIZES[-1]) if fast_path else KVCache()
+            runner.forward(torch.tensor(ids[:n]), torch.arange(n), cache)
+            alone = runner.forward(torch.tensor(block[:1]), torch.tensor([n]), cache.view(n))[0]
+            for size in SIZES:
+                first = runner.forward(torch.tensor(block[:size]), torch.arange(n, n + size), cache.view(n),
+                                       logits_rows=slice(0, 1))[0]
+                noise = max(noise, float((first - alone).abs().max()))
+    known[fast_path] = noise
+    return noise

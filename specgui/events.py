@@ -56,6 +56,7 @@ class Start:
     max_new_tokens: int
     prompt_ids: tuple[int, ...]
     prompt_text: str
+    fast_path: bool = False  # static shapes and, on a GPU, CUDA graphs (`specgui.fastpath`)
 
 
 @dataclass(frozen=True)
@@ -206,8 +207,8 @@ def from_json(data: Any) -> Event:
     values = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
-            if f.default_factory is not dataclasses.MISSING:
-                continue
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue  # a trace from before this field existed
             raise SpecGUIError(f"{data['type']} event is missing field {f.name!r}")
         values[f.name] = _coerce(data[f.name], hints[f.name], f"{data['type']}.{f.name}")
     return cls(**values)

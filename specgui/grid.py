@@ -47,11 +47,11 @@ def settings(grid: list[str], fixed: list[str]) -> list[dict[str, Any]]:
 
 
 def measure(lm, rows: list[PromptRow], method: str, grid: list[dict[str, Any]], max_new_tokens: int,
-            progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+            progress: Callable[[bench.Entry, PromptRow], None] | None = None) -> list[dict[str, Any]]:
     """Bench baseline and every setting on every prompt; return one summary per setting, fastest first."""
     entries = [bench.Entry("baseline", "baseline")] + [
         bench.Entry(f"#{i}", method, values) for i, values in enumerate(grid)]
-    report = bench.bench(lm, rows, entries, max_new_tokens=max_new_tokens, repeats=1, progress=progress)
+    report = bench.bench(lm, rows, entries, bench.Settings(max_new_tokens=max_new_tokens), progress=progress)
     results = []
     for entry in entries[1:]:
         overall = report["methods"][entry.label]
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.method} on {lm.name} ({lm.runner.device}), {len(rows)} prompts, {args.max_new_tokens} new "
               f"tokens, {len(grid)} settings", file=sys.stderr)
         results = measure(lm, rows, args.method, grid, args.max_new_tokens,
-                          progress=lambda n: print("." * n, end="", file=sys.stderr, flush=True))
+                          progress=lambda entry, row: print(".", end="", file=sys.stderr, flush=True))
         print(file=sys.stderr)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,14 +4,17 @@ Speculative methods leave caches ragged: a draft that skipped the attention of l
 layer 5, a tree verify forward wrote keys for branches that lost. transformers' `DynamicCache.crop(n)`
 removes the same *count* from every layer, which is wrong for ragged caches, and its `update`
 re-concatenates the whole cache on every token. Here each layer has a buffer and a length: `crop`
-sets lengths (absolute), `keep` compacts the accepted positions, `update` writes in place. The
-attention modules only ever call `update(k, v, layer_idx)` and `get_seq_length(layer_idx)`.
-`FrozenView` lets a pass read the cache without growing it (CLaSp's batched DP, Fractal's
-compressed sub-passes).
+sets lengths (absolute), `keep` compacts the accepted positions, `update` writes in place.
+`view(n)` lets a pass read the first n positions without growing the cache (CLaSp's batched DP,
+Fractal's compressed sub-passes).
+
+`Cache` is what a forward needs of a cache; `KVCache` and `FrozenView` implement it here, and the fast
+path's fixed-capacity cache (`specgui.fastpath`) implements it for static shapes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,20 +22,39 @@ import torch
 MIN_CAPACITY = 256
 
 
-class Cache(Protocol):
-    """What a forward's attention modules call on a cache (transformers' `Cache` interface, the part used).
+@dataclass(frozen=True)
+class Layout:
+    """Where one forward's keys sit in one layer's key tensor, as attention reads it.
 
-    `KVCache` (the decode state's cache, which drafters also crop) and `FrozenView` (a read-only window
-    on one) implement it; the runner and every pass take any `Cache`.
+    New tokens see every position in [0, prefix); their own keys are stored at [offset, offset + rows);
+    attention reads `columns` key positions in all, any others masked. A growing cache reads exactly
+    prefix + rows columns with offset = prefix; a fixed-capacity one reads the whole buffer.
     """
 
+    prefix: int
+    offset: int
+    columns: int
+
+
+class Cache(Protocol):
+    """What a forward calls on a cache: its attention modules `update` and `get_seq_length` (transformers'
+    interface, the part used), the runner its `layout` for masks, drafters `view` for read-only passes."""
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions held for layer `layer_idx`: new keys go after them, new queries see all of them."""
+        """Positions held for layer `layer_idx`."""
         ...
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Take a forward's new keys/values [1, heads, T, dim] for a layer; return what attention reads."""
+        ...
+
+    def layout(self, layer: int, rows: int) -> Layout:
+        """Where a forward of `rows` new tokens puts its keys in `layer` and what it reads there."""
+        ...
+
+    def view(self, length: int) -> Cache:
+        """A read-only window on the first `length` positions: a pass over it sees them and stores nothing."""
         ...
 
 
@@ -46,6 +68,13 @@ class KVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx] if layer_idx < len(self.lengths) else 0
+
+    def layout(self, layer: int, rows: int) -> Layout:
+        n = self.get_seq_length(layer)
+        return Layout(n, n, n + rows)
+
+    def view(self, length: int) -> FrozenView:
+        return FrozenView(self, length)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +140,13 @@ class FrozenView:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return min(self.length, self.cache.get_seq_length(layer_idx))
+
+    def layout(self, layer: int, rows: int) -> Layout:
+        n = self.get_seq_length(layer)
+        return Layout(n, n, n + rows)
+
+    def view(self, length: int) -> FrozenView:
+        return FrozenView(self.cache, min(length, self.length))
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

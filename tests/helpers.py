@@ -82,18 +82,20 @@ def baseline_run(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> decode
     """Greedy baseline for a prompt, computed once per model, prompt and length (every method compares to it)."""
     key = (id(lm.model), tuple(ids), max_new_tokens)
     if key not in _BASELINES:
-        _BASELINES[key] = decode.run(lm, ids, "baseline", max_new_tokens=max_new_tokens)
+        _BASELINES[key] = decode.run(lm, ids, "baseline", max_new_tokens=max_new_tokens, fast_path="off")
     return _BASELINES[key]
 
 
 def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int]], max_new_tokens: int,
-                            params: dict[str, Any] | None = None, min_accepted: int = 1) -> list:
-    """`method` must reproduce baseline's greedy tokens exactly, and must actually have drafted."""
+                            params: dict[str, Any] | None = None, min_accepted: int = 1,
+                            fast_path: str = "auto") -> list:
+    """`method` (on `fast_path`) must reproduce the eager baseline's greedy tokens exactly, and must actually
+    have drafted."""
     accepted = 0
     results = []
     for ids in prompts:
         base = baseline_run(lm, ids, max_new_tokens)
-        got = decode.run(lm, ids, method, max_new_tokens=max_new_tokens, params=params)
+        got = decode.run(lm, ids, method, max_new_tokens=max_new_tokens, params=params, fast_path=fast_path)
         if got.token_ids != base.token_ids:
             pos = next(i for i, (a, b) in enumerate(zip([*got.token_ids, -1], [*base.token_ids, -1])) if a != b)
             raise AssertionError(f"{method} diverged from baseline at token {pos} "

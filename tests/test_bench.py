@@ -1,7 +1,13 @@
-"""The bench: every method on every prompt against baseline, honest aggregates, divergence diagnosis."""
+"""The bench: every method on every prompt against baseline, honest aggregates, divergence diagnosis against
+the measured logit noise, and reports that survive a bench stopped part-way."""
 
+import pytest
+import torch
+
+from helpers import tiny_model
 from specgui import bench
 from specgui.bench import Run
+from specgui.equality import first_divergence, logit_noise
 from specgui.prompts import PromptRow
 
 ROWS = [PromptRow("r1", "copy", prompt="abcdeabcd"), PromptRow("r2", "copy", prompt="uvwxuvwx"),
@@ -9,37 +15,77 @@ ROWS = [PromptRow("r1", "copy", prompt="abcdeabcd"), PromptRow("r2", "copy", pro
 
 
 def test_bench_report_on_a_tiny_model(tiny_lm):
-    report = bench.bench(tiny_lm, ROWS, bench.entries_for(["pld", "hf-generate"]), max_new_tokens=16, repeats=2)
+    report = bench.bench(tiny_lm, ROWS, bench.entries_for(["pld", "hf-generate"]), bench.Settings(16, repeats=2))
     methods = report["methods"]
     assert list(methods) == ["baseline", "pld", "hf-generate"]  # baseline always included, first
     assert methods["baseline"]["speedup"] == 1.0 and methods["baseline"]["mean_accepted"] == 1.0
     assert methods["pld"]["identical"] == 3 and methods["hf-generate"]["identical"] == 3
+    assert methods["pld"]["ties"] == 0
     assert methods["pld"]["mean_accepted"] > 1.0 and methods["hf-generate"]["mean_accepted"] is None
     assert set(report["categories"]) == {"copy", "other"}
     assert len(report["per_prompt"]) == 9 and all(len(p["walls"]) == 2 for p in report["per_prompt"])
+    assert report["complete"] and 0 <= report["logit_noise"] < 1e-3 and report["fast_path"] is False
     text = bench.format_report(report, profile=True)
     assert "category copy" in text and "profile" in text and "divergences" not in text
+    assert "logit noise between batch shapes" in text and "INCOMPLETE" not in text
 
 
-def test_divergence_names_position_and_baseline_margin():
+def test_a_stopped_bench_leaves_a_report_of_its_finished_prompts(tiny_lm):
+    partials, runs = [], []
+
+    def progress(entry, row):
+        runs.append((entry.label, row.id))
+        if len(runs) == 5:  # the third run of the second prompt: stop there
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench.bench(tiny_lm, ROWS, bench.entries_for(["pld", "clasp"]), bench.Settings(12), progress=progress,
+                    partial=partials.append)
+    assert runs[:3] == [("baseline", "r1"), ("pld", "r1"), ("clasp", "r1")]  # methods named as they finish
+    [report] = partials  # only the first prompt finished
+    assert report["complete"] is False and report["prompts"] == 1
+    assert [p["id"] for p in report["per_prompt"]] == ["r1"] * 3
+    assert "INCOMPLETE" in bench.format_report(report)
+
+
+def test_logit_noise_is_measured_in_the_runs_dtype():
+    fp32 = tiny_model(seed=11)
+    bf16 = tiny_model(seed=11)
+    bf16.model.to(torch.bfloat16)
+    bf16.runner.dtype = torch.bfloat16
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24, 25]]
+    small, large = logit_noise(fp32.runner, prompts), logit_noise(bf16.runner, prompts)
+    assert 0 <= small < 1e-4  # float32: last-bit differences between batch shapes
+    assert large > 10 * max(small, 1e-6)  # bfloat16 keeps 8 significant bits
+    assert logit_noise(fp32.runner, [[1, 2]]) == small  # measured once per runner and path
+
+
+def test_divergence_is_a_near_tie_when_the_margin_is_within_the_noise():
     base = Run("p", "c", "baseline", [5, 6, 7, 8], [1.0], margins=[3.0, 2.0, 0.0004, 1.0])
-    tie = bench._divergence(Run("p", "c", "m", [5, 6, 9, 8], [1.0]), base)
+    tie = bench._divergence(Run("p", "c", "m", [5, 6, 9, 8], [1.0]), base, noise=0.001)
     assert tie == {"position": 2, "baseline_token": 7, "method_token": 9, "baseline_margin": 0.0004,
                    "near_tie": True}
-    bug = bench._divergence(Run("p", "c", "m", [5, 1, 7, 8], [1.0]), base)
+    assert not bench._divergence(Run("p", "c", "m", [5, 6, 9, 8], [1.0]), base, noise=0.0001)["near_tie"]
+    bug = bench._divergence(Run("p", "c", "m", [5, 1, 7, 8], [1.0]), base, noise=0.001)
     assert bug["position"] == 1 and not bug["near_tie"]
-    short = bench._divergence(Run("p", "c", "m", [5, 6], [1.0]), base)
-    assert short["position"] == 2
-    assert bench._divergence(Run("p", "c", "m", [5, 6, 7, 8], [1.0]), base) is None
+    assert first_divergence([5, 6], [5, 6, 7, 8], base.margins).position == 2  # one run ended first
+    assert bench._divergence(Run("p", "c", "m", [5, 6, 7, 8], [1.0]), base, noise=0.001) is None
 
 
-def test_format_report_flags_divergences():
-    report = {"model": "m", "device": "cpu", "prompts": 1, "max_new_tokens": 4, "repeats": 1,
-              "sampling": {"temperature": 0.0}, "profile": {},
-              "methods": {"baseline": {"tokens_per_s": 10, "speedup": 1.0, "mean_accepted": 1.0,
-                                       "acceptance_rate": None, "identical": 1, "total": 1}},
+def test_format_report_separates_ties_from_bugs():
+    agg = {"tokens_per_s": 10, "speedup": 1.0, "mean_accepted": 1.5, "acceptance_rate": 0.5, "identical": 1,
+           "ties": 1, "total": 3}
+    report = {"model": "m", "device": "cpu", "dtype": "bfloat16", "fast_path": True, "prompts": 3,
+              "max_new_tokens": 4, "repeats": 1, "complete": True, "logit_noise": 0.25,
+              "sampling": {"temperature": 0.0}, "profile": {}, "methods": {"baseline": agg, "m": agg},
               "categories": {},
-              "per_prompt": [{"id": "p", "method": "m", "divergence": {
-                  "position": 2, "baseline_token": 7, "method_token": 9, "baseline_margin": 0.5, "near_tie": False}}]}
+              "per_prompt": [
+                  {"id": "p", "method": "m", "divergence": {"position": 2, "baseline_token": 7, "method_token": 9,
+                                                            "baseline_margin": 0.125, "near_tie": True}},
+                  {"id": "q", "method": "m", "divergence": {"position": 4, "baseline_token": 1, "method_token": 2,
+                                                            "baseline_margin": 3.5, "near_tie": False}}]}
     text = bench.format_report(report)
-    assert "m on p: first differs at token 2" in text and "margin 0.5" in text and "a bug" in text
+    assert "logit noise between batch shapes: 0.25" in text and "bfloat16, fast path" in text
+    assert "m on p: first differs at token 2" in text and "a near-tie (within the logit noise)" in text
+    assert "m on q: first differs at token 4" in text and "margin 3.5 -> NOT within the logit noise: a bug" in text
+    assert " 1/3     1" in text  # identical and ties in their own columns

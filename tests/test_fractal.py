@@ -19,7 +19,13 @@ from specgui.events import Prefill
 from specgui.kvcache import FrozenView, KVCache
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.methods.base import DecodeState
-from specgui.methods.compress import CompressedLayer, compressed_copy
+from specgui.methods.compress import (
+    CompressedLayer,
+    Fp8Linear,
+    Int8WeightOnlyLinear,
+    TorchInt8Linear,
+    compressed_copy,
+)
 from specgui.methods.fractal import Splice, consistent_chain, fractal_positions, origins
 from specgui.runner import ATTN, MLP, Pass, Runner
 from specgui.sampling import GREEDY
@@ -208,6 +214,40 @@ def test_bitsandbytes_int8_path_is_lossless_on_cpu(tiny_lm):
                             params={"backend": "bnb-int8", "num_fractal": 2, "window": 2})
 
 
+@pytest.mark.parametrize("cls, tolerance", [(Int8WeightOnlyLinear, 0.02), (Fp8Linear, 0.1)])
+def test_gpu_linears_approximate_the_original(cls, tolerance):
+    """The CUDA backends' linears, run here on torch's CPU kernels: the same arithmetic, slowly."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        want, got = linear(x), cls(linear)(x)
+    assert got.shape == want.shape
+    assert (got - want).norm() / want.norm() < tolerance
+
+
+def test_auto_backend_builds_the_cheapest_candidate_that_runs(tiny_lm, monkeypatch):
+    from specgui.methods import compress
+
+    def maker(backend):
+        if backend == "fp8":
+            raise RuntimeError("no fp8 kernels on this build")  # skipped, not fatal
+        return {"torch-int8": TorchInt8Linear, "torch-fp16": compress.TorchFp16Linear}[backend]
+
+    monkeypatch.setattr(compress, "candidates", lambda device: ["fp8", "torch-fp16", "torch-int8"])
+    monkeypatch.setattr(compress, "_maker", maker)
+    assert compress.cheapest(tiny_lm.runner) in ("torch-fp16", "torch-int8")
+    monkeypatch.setattr(compress, "candidates", lambda device: ["fp8"])
+    with pytest.raises(SpecGUIError, match="no compression backend runs here"):
+        compress.cheapest(tiny_lm.runner)
+
+
+def test_backends_a_device_cannot_run_are_refused_in_one_line(tiny_lm):
+    for backend, message in (("fp8", "CUDA GPUs"), ("int8-weight-only", "CUDA GPUs"), ("zip", "unknown")):
+        with pytest.raises(SpecGUIError, match=message):
+            compressed_copy(tiny_lm.runner, backend)
+
+
 # -- CUDA -----------------------------------------------------------------------------------------------
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -237,10 +277,14 @@ def test_bnb_int8_on_cuda_is_lossless(tiny_lm):
 
 
 @requires_cuda
+@pytest.mark.parametrize("backend", ["bnb-int8", "int8-weight-only", "fp8", "bnb-nf4"])
 @pytest.mark.parametrize("shape", ["1B", "8B"])
-def test_bnb_int8_cost_ratio_on_cuda(shape, capsys):
+def test_compressed_cost_ratio_on_cuda(shape, backend, capsys):
     """Cost ratio, tau and speedup of Fractal on random models with Llama-3.2-1B / Llama-3-8B shapes (fp16)."""
-    pytest.importorskip("bitsandbytes")
+    if backend.startswith("bnb"):
+        pytest.importorskip("bitsandbytes")
+    if backend == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
     dims = {"1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
             "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)}
     config = LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=2048,
@@ -248,12 +292,14 @@ def test_bnb_int8_cost_ratio_on_cuda(shape, capsys):
                          **dims[shape])
     lm = cuda_model(config, torch.float16)
     prompt = torch.randint(0, config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
-    decode.run(lm, prompt[:32], "fractal", max_new_tokens=8)  # builds the int8 copy, warms up kernels
+    params = {"backend": backend}
+    decode.run(lm, prompt[:32], "fractal", max_new_tokens=8, params=params)  # builds the copy, warms up kernels
     base = decode.run(lm, prompt, "baseline", max_new_tokens=64)
-    got = decode.run(lm, prompt, "fractal", max_new_tokens=64)
+    got = decode.run(lm, prompt, "fractal", max_new_tokens=64, params=params)
     ratios = [s.payload["cost_ratio"] for s in got.steps if "cost_ratio" in s.payload]
     with capsys.disabled():
-        print(f"\n{shape} fp16 on {torch.cuda.get_device_name()}: cost ratio (median) {statistics.median(ratios):.2f}, "
+        print(f"\n{shape} fp16 {backend} on {torch.cuda.get_device_name()}: cost ratio (median) "
+              f"{statistics.median(ratios):.2f}, "
               f"tau {got.summary.tau:.2f}, speedup {got.summary.tokens_per_s / base.summary.tokens_per_s:.2f}x, "
               f"identical {got.token_ids == base.token_ids}")
     assert ratios and all(r > 0 for r in ratios)

@@ -1,19 +1,27 @@
-"""Int8 copies of a model's decoder layers, LM head and embedding, used only for drafting (Fractal).
+"""Compressed copies of a model's decoder layers, LM head and embedding, used only for drafting (Fractal).
 
 Fractal splices a compressed copy of the model into the full model's own forward; the copy is worth
-having only if it is cheaper than the full-precision stack on the same device. Which int8 kernel is
-cheaper differs by device, so the backend is a choice:
+having only if it is cheaper than the full-precision stack on the same device. Which kernel is cheaper
+differs by device and shape, so the backend is a choice:
 
   * "bnb-int8" (CUDA): bitsandbytes' LLM.int8 `Linear8bitLt` (outlier threshold 6.0, transformers' default),
-    the paper's choice. bitsandbytes also runs it on CPU, but there it was ~5x *slower* than fp32.
+    the paper's choice. On an H100 it cost 0.90x (1B shape) and 0.98x (8B) of the fp16 forward: the outlier
+    search and casts eat the int8 gain at decode's few rows. On CPU it was ~5x *slower* than fp32.
+  * "int8-weight-only" (CUDA): int8 weights with a scale per output channel, activations in the model's
+    dtype (`torch._weight_int8pack_mm`): half the weight bytes of bf16, no activation quantization; what
+    a memory-bound decode step wants. On CPU it has no fast path (>10x slower than fp32).
+  * "fp8" (CUDA, compute capability 8.9+: Ada, Hopper): e4m3 weights with a scale per output channel,
+    activations quantized per row at each call, `torch._scaled_mm` on the fp8 tensor cores.
+  * "bnb-nf4" (CUDA): bitsandbytes' 4-bit NormalFloat `Linear4bit`, a quarter of the weight bytes.
   * "torch-int8" (CPU): torch's dynamic int8 linear (fbgemm/oneDNN, VNNI on this machine): int8 weights with
     a scale per output channel, activations quantized per call. On the embedded model's shapes it took
     22-55 us against fp32's 28-220 us per linear over 1-9 rows, and the LM head 0.4-0.8 ms against 3-10 ms
-    (measured against the small-batch fp32 kernel of `specgui/kernels.py`). Weight-only
-    `torch._weight_int8pack_mm` has no fast fp32 path here (>10x slower than fp32).
+    (measured against the small-batch fp32 kernel of `specgui/kernels.py`).
   * "torch-fp16" (CPU): fbgemm's fp16-weight linear, not int8: the measured comparison point for the
     int8 path's accuracy against its cost.
-"auto" picks bnb-int8 on CUDA and torch-int8 elsewhere.
+"auto" measures, once per runner, the candidates the device can run (CUDA: every CUDA backend above; CPU:
+torch-int8, the paper's int8) on one decoder layer's projections at a verify forward's row count, and
+builds the cheapest: the fastest measured is each device's default, not a guess.
 
 The final norm is shared with the model (a vector of `hidden` weights: nothing to compress or gain). The
 embedding is an int8 table with one scale per row: a lookup of a few rows costs nothing either way, but
@@ -26,6 +34,8 @@ CPU), so `compressed_copy` keeps one copy per runner and backend for the runner'
 
 from __future__ import annotations
 
+import logging
+import statistics
 import time
 import warnings
 import weakref
@@ -42,8 +52,12 @@ from torch import nn
 from specgui.errors import SpecGUIError
 from specgui.runner import ATTN, MLP, Pass, Runner, execution_device
 
-BACKENDS = ("auto", "torch-int8", "bnb-int8", "torch-fp16")
+BACKENDS = ("auto", "torch-int8", "torch-fp16", "bnb-int8", "int8-weight-only", "fp8", "bnb-nf4")
+CUDA_BACKENDS = ("bnb-int8", "int8-weight-only", "fp8", "bnb-nf4")
+CPU_BACKENDS = ("torch-int8", "torch-fp16")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BNB_THRESHOLD = 6.0  # LLM.int8 outlier threshold: transformers' `BitsAndBytesConfig` default
+LOG = logging.getLogger("specgui.compress")
 
 
 class Int8Embedding(nn.Module):
@@ -84,6 +98,43 @@ class TorchInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=self.reduce_range)
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """int8 weights with one scale per output channel; activations stay in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.register_buffer("weight", torch.round(w.float() / scale[:, None]).to(torch.int8))  # [N, K]
+        self.register_buffer("scale", scale.to(w.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scale.to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], -1)
+
+
+class Fp8Linear(nn.Module):
+    """e4m3 weights with one scale per output channel; each call quantizes its rows (one scale per row)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
+        self.register_buffer("weight", (w / scale[:, None]).to(torch.float8_e4m3fn))  # [N, K]
+        self.register_buffer("scale", scale[None, :])  # [1, N], float32 as _scaled_mm wants
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [M, 1]
+        out = torch._scaled_mm((rows / scale).to(torch.float8_e4m3fn), self.weight.t(), scale_a=scale,
+                               scale_b=self.scale, bias=self.bias, out_dtype=x.dtype)
+        return out.view(*x.shape[:-1], -1)
 
 
 class TorchFp16Linear(nn.Module):
@@ -216,42 +267,94 @@ class CompressedModel:
 _COPIES: weakref.WeakKeyDictionary[Runner, dict[str, CompressedModel]] = weakref.WeakKeyDictionary()
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def check_backend(backend: str, device: torch.device) -> None:
+    """Refuse a backend this device cannot run, in one line."""
     if backend not in BACKENDS:
         raise SpecGUIError(f"unknown compression backend {backend!r}: use {', '.join(BACKENDS)}")
-    if backend == "auto":
-        return "bnb-int8" if device.type == "cuda" else "torch-int8"
-    return backend
+    if backend in CPU_BACKENDS and device.type != "cpu":
+        raise SpecGUIError(f"the {backend} backend runs on CPU only: use one of {', '.join(CUDA_BACKENDS)} on CUDA")
+    if backend in CUDA_BACKENDS and backend != "bnb-int8" and device.type != "cuda":
+        raise SpecGUIError(f"the {backend} backend is for CUDA GPUs: use torch-int8 on a CPU")
+    if backend == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise SpecGUIError("the fp8 backend needs an Ada or Hopper GPU (compute capability 8.9+)")
 
 
 def compressed_copy(runner: Runner, backend: str = "auto") -> tuple[CompressedModel, bool]:
-    """The runner's compressed copy for `backend`, and whether this call built it (first use only)."""
-    backend = resolve_backend(backend, runner.device)
+    """The runner's compressed copy for `backend` ("auto": the cheapest measured), and whether this call
+    built it (first use only)."""
+    check_backend(backend, runner.device)
     per_runner = _COPIES.setdefault(runner, {})
+    if backend == "auto":
+        backend = per_runner["auto"].backend if "auto" in per_runner else cheapest(runner)
     built = backend not in per_runner
     if built:
         per_runner[backend] = compress(runner, backend)
+    per_runner.setdefault("auto", per_runner[backend])
     return per_runner[backend], built
+
+
+def candidates(device: torch.device) -> list[str]:
+    """The backends `auto` chooses among on a device."""
+    if device.type != "cuda":
+        return ["torch-int8"]
+    fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
+    return [b for b in CUDA_BACKENDS if b != "fp8" or fp8]
+
+
+def cheapest(runner: Runner, rows: int = 8) -> str:
+    """The candidate whose copies of one decoder layer's projections run fastest over `rows` rows."""
+    layer = runner.layers[0]
+    linears = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj]
+    inputs = [torch.randn(1, rows, lin.in_features, dtype=runner.dtype, device=runner.device) for lin in linears]
+    timings = {}
+    for backend in candidates(runner.device):
+        try:
+            copies = [_maker(backend)(linear) for linear in linears]
+            timings[backend] = _time(copies, inputs, runner.device)
+        except (RuntimeError, SpecGUIError) as exc:  # a kernel this device or build lacks
+            LOG.info("compression backend %s unavailable here: %s", backend, str(exc).splitlines()[0])
+    if not timings:
+        raise SpecGUIError(f"no compression backend runs here (tried {', '.join(candidates(runner.device))})")
+    return min(timings, key=timings.get)
+
+
+def _time(modules: list[nn.Module], inputs: list[torch.Tensor], device: torch.device, repeats: int = 20) -> float:
+    """Median seconds of one call of every module on its input (after two warm-up calls)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples = []
+    with torch.inference_mode():
+        for step in range(repeats + 2):
+            sync()
+            start = time.perf_counter()
+            for module, x in zip(modules, inputs):
+                module(x)
+            sync()
+            if step >= 2:
+                samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _maker(backend: str) -> Callable[[nn.Linear], nn.Module]:
+    """The function that builds one compressed linear for `backend`."""
+    if backend.startswith("bnb-"):
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise SpecGUIError(f"the {backend} backend needs bitsandbytes: pip install bitsandbytes") from None
+        return partial(_bnb_linear if backend == "bnb-int8" else _bnb_nf4, bnb)
+    return {"torch-int8": TorchInt8Linear, "torch-fp16": TorchFp16Linear, "int8-weight-only": Int8WeightOnlyLinear,
+            "fp8": Fp8Linear}[backend]
 
 
 def compress(runner: Runner, backend: str) -> CompressedModel:
     """Build compressed copies of every decoder layer, the LM head and the embedding of `runner`'s model."""
     start = time.perf_counter()
-    backend = resolve_backend(backend, runner.device)
+    check_backend(backend, runner.device)
     for module in (runner.embed, runner.lm_head, *runner.layers):
         for p in module.parameters():
             if p.device.type == "meta":
                 raise SpecGUIError("Fractal needs every weight in memory: offloaded layers cannot be compressed")
-            if backend.startswith("torch-") and p.device.type != "cpu":
-                raise SpecGUIError(f"the {backend} backend runs on CPU only: use bnb-int8 on CUDA")
-    if backend == "bnb-int8":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise SpecGUIError("the bnb-int8 backend needs bitsandbytes: pip install bitsandbytes") from None
-        make = partial(_bnb_linear, bnb)
-    else:
-        make = TorchInt8Linear if backend == "torch-int8" else TorchFp16Linear
+    make = _maker(backend)
     try:
         layers = [CompressedLayer(layer, make) for layer in runner.layers]
     except AttributeError as exc:
@@ -271,6 +374,17 @@ def _bnb_linear(bnb: Any, linear: nn.Linear) -> nn.Module:
     if linear.bias is not None:
         q.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     return q
+
+
+def _bnb_nf4(bnb: Any, linear: nn.Linear) -> nn.Module:
+    """4-bit NormalFloat linear computing in the weight's dtype; bitsandbytes quantizes on the move to the device."""
+    device, dtype = linear.weight.device, linear.weight.dtype
+    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          compute_dtype=dtype, quant_type="nf4", device="cpu")
+    q.weight = bnb.nn.Params4bit(linear.weight.detach().to("cpu", dtype), requires_grad=False, quant_type="nf4")
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.detach().to("cpu"), requires_grad=False)
+    return q.to(device)
 
 
 @cache

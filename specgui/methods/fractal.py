@@ -16,7 +16,7 @@ prediction is a usable draft token only if every slot before it holds the token 
 predicts (`consistent_chain`); the chain is cut at the first disagreement.
 
 KV cache, beyond the paper (which ran without one): the compressed sub-passes attend to the prefix
-through the original layers' cached keys and values (`FrozenView`: read, never written), which for
+through the original layers' cached keys and values (a `view`: read, never written), which for
 the prefix are exact, and the copies keep `layer_idx`, so layer i's copy reads layer i's cache. The
 upper pass sees only the committed prefix (the forward has not reached layers >= i yet) and so runs
 over *all* the forward's rows; the lower pass sees the prefix plus the forward's exact rows, whose
@@ -48,7 +48,7 @@ import torch
 
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
-from specgui.kvcache import FrozenView, KVCache
+from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState, Drafter, register
 from specgui.methods.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.params import param
@@ -67,8 +67,8 @@ class FractalParams:
                         "first; for per-model presets); empty: uniform")
     carry: bool = param(help="the verify forward carries the next draft's slots (else every step runs its "
                         "own draft forward, as in the paper)")
-    backend: str = param(choices=BACKENDS, help="compressed copy: auto = bnb-int8 on CUDA, torch-int8 on CPU; "
-                         "torch-fp16 is a non-int8 comparison")
+    backend: str = param(choices=BACKENDS, help="compressed copy: auto = the cheapest measured on this device "
+                         "(specgui/methods/compress.py); torch-fp16 is a non-int8 comparison")
 
 
 def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
@@ -141,11 +141,11 @@ class Splice:
         comp, runner = self.plan.compressed, self.plan.runner
         start = self.plan.clock.mark()
         # upper: layers >= `layer` hold only the committed prefix so far, so every row of the forward runs
-        upper = Pass(runner, self.all_positions, FrozenView(self.cache, self.committed), None)
+        upper = runner.new_pass(self.all_positions, self.cache.view(self.committed))
         x = comp.run(upper, h, range(layer, runner.num_layers))
         guesses = comp.logits(x[0, self.exact - 1 : -1]).argmax(-1)  # [w]: anchor and slots 1..w-1 predict
         # lower: layers < `layer` already hold the prefix and this forward's exact rows
-        lower = Pass(runner, self.slot_positions, FrozenView(self.cache, self.committed + self.exact), None)
+        lower = runner.new_pass(self.slot_positions, self.cache.view(self.committed + self.exact))
         y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
         self.guesses.append(guesses)
         self.marks.append((start, self.plan.clock.mark()))

@@ -11,7 +11,7 @@ cosine, to the full model's final state (CLaSp, Algorithm 1):
 A unit is a whole layer (the paper) or one sub-layer (attention or MLP half), so the DP can skip one
 half of a layer where whole layers cost too much accuracy. The states g(i-1, 1..M) of one row are
 independent, so they go through unit i-1 as one batch of rows at the same position, each attending to
-the cached prefix and to itself only (`FrozenView` + identity visibility): the paper's "sequence
+the cached prefix and to itself only (a read-only `view` + identity visibility): the paper's "sequence
 parallel" trick. A whole DP then costs about one forward of M tokens, and the cache is never grown.
 Keeping a state near x_i at every i is what makes the greedy choice per cell a good approximation
 ("approximate Markov property"); `tests/test_clasp.py` checks it against brute force.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgui.kvcache import FrozenView, KVCache
+from specgui.kvcache import KVCache
 from specgui.runner import ATTN, MLP, Pass, Runner, SkipPlan, unit_index
 
 Unit = tuple[tuple[int, int], ...]  # the (layer, kind) sub-layers one DP decision covers, in order
@@ -111,7 +111,7 @@ class _RowPasses:
 
     def __init__(self, runner: Runner, cache: KVCache, position: int) -> None:
         self.runner = runner
-        self.view = FrozenView(cache, position)
+        self.view = cache.view(position)
         self.position = position
         self.passes: dict[int, Pass] = {}  # one per row count, so rotary tables and masks are built once
 
@@ -119,7 +119,7 @@ class _RowPasses:
         n = batch.shape[0]
         if n not in self.passes:
             positions = torch.full((n,), self.position, dtype=torch.long)
-            self.passes[n] = Pass(self.runner, positions, self.view, torch.eye(n, dtype=torch.bool))
+            self.passes[n] = self.runner.new_pass(positions, self.view, torch.eye(n, dtype=torch.bool))
         h = batch.unsqueeze(0)
         for layer, kind in unit:
             h = self.passes[n].run_unit(h, layer, kind)

@@ -36,15 +36,15 @@ def run_suite(lm: LoadedModel, rows: list[PromptRow], names: list[str], *, max_n
     total = len(rows) * len(chosen) * repeats
     done = 0
 
-    def step(n: int) -> None:
+    def step(entry: bench.Entry, row: PromptRow) -> None:
         nonlocal done
-        done += n
+        done += 1
         progress(done, total)
         if stop.is_set():
             raise Stopped
 
-    return bench.bench(lm, rows, chosen, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling,
-                       progress=step)
+    settings = bench.Settings(max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
+    return bench.bench(lm, rows, chosen, settings, progress=step)
 
 
 def table(report: dict[str, Any]) -> list[list[Any]]:

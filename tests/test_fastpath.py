@@ -1,0 +1,169 @@
+"""The fast path (static cache, buckets, device-side inputs, programs) against the eager runner.
+
+On a CPU a program is its function called on its static buffers, so these tests check everything the GPU
+runs except the CUDA graph capture itself; the CUDA tests at the end check that too where a GPU exists.
+"""
+
+import pytest
+import torch
+
+from helpers import assert_greedy_identical, baseline_run, tiny_model
+from specgui import decode, fastpath, methods
+from specgui.errors import SpecGUIError
+from specgui.kvcache import KVCache, Layout
+from specgui.methods.skipdp import HiddenRecorder
+from specgui.runner import SkipPlan
+
+SPECULATIVE = [name for name in methods.names() if name != "baseline"]
+TINY_PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_static_forwards_match_model_forward(arch):
+    """Bucketed forwards (5 -> 8, 1, 3 -> 4) and one beyond the largest bucket (70, eager) over one cache."""
+    lm = tiny_model(arch=arch, seed=3)
+    ids = torch.randint(0, 48, (82,))
+    with torch.inference_mode():
+        reference = lm.model(ids[None]).logits[0]
+        cache = fastpath.cache_for(lm.runner, 100)
+        chunks = [(0, 5), (5, 6), (6, 9), (9, 79), (79, 82)]
+        got = torch.cat([lm.runner.forward(ids[a:b], torch.arange(a, b), cache) for a, b in chunks])
+    assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
+    assert cache.lengths == [82] * 4 and sorted(cache.inputs) == [1, 4, 8]
+
+
+def test_masks_pad_rows_that_see_only_themselves():
+    visible = torch.tensor([[True, False], [True, True]])
+    m = fastpath.masks([Layout(3, 3, 12), Layout(2, 8, 12)], visible, rows=4, device=torch.device("cpu"))
+    assert m.shape == (2, 4, 12)
+    # layer 0: prefix 0..2, then the block at 3 (causal), padded rows 2, 3 at columns 5, 6 see only themselves
+    assert m[0, 0].nonzero().view(-1).tolist() == [0, 1, 2, 3]
+    assert m[0, 1].nonzero().view(-1).tolist() == [0, 1, 2, 3, 4]
+    assert m[0, 2].nonzero().view(-1).tolist() == [0, 1, 2, 5]
+    assert m[0, 3].nonzero().view(-1).tolist() == [0, 1, 2, 6]
+    # layer 1 (a read-only pass): prefix 0..1, its block in the scratch region at 8
+    assert m[1, 1].nonzero().view(-1).tolist() == [0, 1, 8, 9]
+    assert m[1, 3].nonzero().view(-1).tolist() == [0, 1, 11]
+    assert not m[0, :, 7:].any() and not m[1, :, 2:8].any()  # nothing outside the prefix and the block
+
+
+def test_read_only_views_write_scratch_and_see_what_a_dynamic_view_sees(tiny_lm):
+    """Two branches in one forward over a view = the same over KVCache's view, and the cache is unchanged."""
+    prefix, tokens = [5, 6, 7, 8], [9, 10, 11, 12, 13]
+    visible = torch.zeros(5, 5, dtype=torch.bool)
+    visible[:3, :3] = torch.ones(3, 3).tril().bool()
+    visible[3:, 3:] = torch.ones(2, 2).tril().bool()
+    positions = torch.tensor([4, 5, 6, 4, 5])
+    with torch.inference_mode():
+        eager, static = KVCache(), fastpath.cache_for(tiny_lm.runner, 16)
+        for cache in (eager, static):
+            tiny_lm.runner.forward(torch.tensor(prefix), torch.arange(4), cache)
+        want = tiny_lm.runner.forward(torch.tensor(tokens), positions, eager.view(4), visibility=visible)
+        got = tiny_lm.runner.forward(torch.tensor(tokens), positions, static.view(4), visibility=visible)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert static.lengths == [4] * 4
+
+
+def test_observers_get_copies_that_outlive_the_next_run(tiny_lm):
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    plan = SkipPlan(attn=frozenset({1}))
+    recorded = []
+    with torch.inference_mode():
+        for cache in (KVCache(), fastpath.cache_for(tiny_lm.runner, 16)):
+            recorder = HiddenRecorder()
+            tiny_lm.runner.forward(ids, torch.arange(5), cache, observer=recorder, skip=plan)
+            tiny_lm.runner.forward(ids[:2], torch.arange(5, 7), cache)  # runs the same programs again
+            recorded.append(torch.stack([recorder.row(r) for r in range(5)]))
+    assert torch.allclose(recorded[0], recorded[1], atol=1e-5)
+
+
+def test_one_cache_per_runner_reused_emptied_and_grown(tiny_lm):
+    first = fastpath.cache_for(tiny_lm.runner, 40)
+    with torch.inference_mode():
+        tiny_lm.runner.forward(torch.tensor([1, 2, 3]), torch.arange(3), first)
+    again = fastpath.cache_for(tiny_lm.runner, 100)
+    assert again is first and again.lengths == [0] * 4  # programs keep their buffers: no new capture
+    bigger = fastpath.cache_for(tiny_lm.runner, first.capacity)
+    assert bigger is not first and bigger.capacity >= first.capacity + fastpath.SLACK
+
+
+def test_a_forward_that_does_not_fit_is_a_clear_error(tiny_lm):
+    cache = fastpath.cache_for(tiny_lm.runner, 8)
+    with pytest.raises(SpecGUIError, match="capacity"), torch.inference_mode():
+        tiny_lm.runner.forward(torch.zeros(cache.capacity + 1, dtype=torch.long), torch.arange(cache.capacity + 1),
+                               cache)
+
+
+def test_resolve_picks_the_path():
+    lm = tiny_model()
+    assert fastpath.resolve("auto", lm.runner) is False  # a CPU: eager is faster here
+    assert fastpath.resolve("on", lm.runner) is True and fastpath.resolve("off", lm.runner) is False
+    with pytest.raises(SpecGUIError, match="must be one of"):
+        fastpath.resolve("fast", lm.runner)
+    with pytest.raises(SpecGUIError, match="sdpa"):
+        fastpath.resolve("on", tiny_model(attn="eager").runner)
+
+
+@pytest.mark.parametrize("method", SPECULATIVE)
+def test_every_method_is_token_identical_on_the_fast_path(tiny_lm, method):
+    """Greedy on the fast path = greedy baseline on the eager runner (tiny model, fp32)."""
+    results = assert_greedy_identical(tiny_lm, method, TINY_PROMPTS, 40, fast_path="on")
+    assert all(r.events[0].fast_path for r in results)
+
+
+@pytest.mark.parametrize("method", methods.names())
+def test_every_method_is_token_identical_on_the_fast_path_on_the_embedded_model(embedded_lm, suite, method):
+    """Two held-out prompts (code, summarization), 32 tokens: fast path against the eager baseline."""
+    rows = [next(r for r in suite if r.category == c) for c in ("code", "summarization")]
+    prompts = [r.encode(embedded_lm.tokenizer) for r in rows]
+    assert_greedy_identical(embedded_lm, method, prompts, 32, fast_path="on", min_accepted=0)
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("method", methods.names())
+def test_cuda_graphs_are_token_identical_in_fp32(method):
+    lm = _on_cuda(tiny_model(seed=3))
+    assert_greedy_identical(lm, method, TINY_PROMPTS, 40, fast_path="on", min_accepted=0)
+    cache = fastpath.cache_for(lm.runner, 8)
+    assert cache.programs and all(p.graph is not None for p in cache.programs.values())
+
+
+@cuda
+def test_cuda_graph_verify_of_many_tokens_costs_about_one():
+    """The premise of speculative decoding on a GPU: a 32-token forward costs < 2x a 1-token forward."""
+    lm = _on_cuda(tiny_model(hidden=512, layers=8, vocab=1024), dtype=torch.bfloat16)
+    cache = fastpath.cache_for(lm.runner, 256)
+    with torch.inference_mode():
+        lm.runner.forward(torch.arange(64) % 1000, torch.arange(64), cache)
+        times = {}
+        for t in (1, 32):
+            for _ in range(3):  # capture, then warm replays
+                lm.runner.forward(torch.ones(t, dtype=torch.long), torch.arange(64, 64 + t), cache.view(64))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                lm.runner.forward(torch.ones(t, dtype=torch.long), torch.arange(64, 64 + t), cache.view(64))
+            end.record()
+            end.synchronize()
+            times[t] = start.elapsed_time(end) / 20
+    assert times[32] < 2 * times[1], times
+
+
+def _on_cuda(lm, dtype=torch.float32):
+    from specgui.loading import LoadedModel
+    from specgui.runner import Runner
+
+    model = lm.model.to("cuda", dtype)
+    return LoadedModel(spec=lm.spec, name=lm.name, model=model, tokenizer=lm.tokenizer, runner=Runner(model),
+                       stop_ids=lm.stop_ids, max_context=lm.max_context, load_s=0.0, source="in-process")
+
+
+def test_baseline_helper_is_the_eager_reference(tiny_lm):
+    """The equality tests above compare with `baseline_run`, which must itself run eagerly."""
+    assert baseline_run(tiny_lm, TINY_PROMPTS[0], 8).events[0].fast_path is False
+    assert decode.run(tiny_lm, TINY_PROMPTS[0], "baseline", max_new_tokens=8, fast_path="on").token_ids == \
+        baseline_run(tiny_lm, TINY_PROMPTS[0], 8).token_ids
