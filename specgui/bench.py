@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from specgui import decode, fastpath, methods
+from specgui import costs, decode, fastpath, methods
+from specgui.costs import CostProfile
 from specgui.equality import first_divergence, logit_noise
 from specgui.loading import LoadedModel
 from specgui.prompts import PromptRow
@@ -88,6 +89,8 @@ class Run:
     accepted: int = 0
     margins: list[float] = field(default_factory=list)
     phase_ms: dict[str, float] = field(default_factory=dict)  # summed per phase, first repeat
+    predicted_s: float = 0.0  # the cost model's price of the first repeat's steps (`Summary.predicted_s`)
+    plain_s: float = 0.0  # ... and of plain steps for the same tokens
     divergence: dict[str, Any] | None = None  # set by `report_json`, against baseline
     identical: bool = True
 
@@ -126,7 +129,7 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
                 phase[key + "_count"] = phase.get(key + "_count", 0) + 1
     return Run(row.id, row.category, method, result.token_ids, [s.wall_s], steps=s.steps,
                emitted_in_steps=sum(len(st.emitted) for st in steps), drafted=s.drafted, accepted=s.accepted,
-               margins=result.margins, phase_ms=phase)
+               margins=result.margins, phase_ms=phase, predicted_s=s.predicted_s, plain_s=s.plain_s)
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ def bench(
         run_method(lm, rows[0], encoded[0], entry.method, min(16, settings.max_new_tokens), settings.sampling,
                    entry.params, settings.fast_path)
     noise = logit_noise(lm.runner, encoded[:3], fast_path=fast)
+    profile = costs.profile_for(lm, fast, refresh=True)  # measured now, on the machine as the runs find it
     runs: dict[tuple[str, str], Run] = {}
     for repeat in range(settings.repeats):
         for i, (row, ids) in enumerate(zip(rows, encoded)):
@@ -181,8 +185,8 @@ def bench(
                     progress(entry, row)
             if partial is not None and (repeat, i) != (settings.repeats - 1, len(rows) - 1):
                 done = rows if repeat else rows[: i + 1]
-                partial(report_json(lm, done, entries, runs, settings, noise=noise, fast=fast, complete=False))
-    return report_json(lm, rows, entries, runs, settings, noise=noise, fast=fast, complete=True)
+                partial(report_json(lm, done, entries, runs, settings, noise=noise, profile=profile, complete=False))
+    return report_json(lm, rows, entries, runs, settings, noise=noise, profile=profile, complete=True)
 
 
 def _divergence(run: Run, base: Run, noise: float) -> dict[str, Any] | None:
@@ -197,9 +201,11 @@ def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[
     steps = sum(r.steps for r in group)
     drafted = sum(r.drafted for r in group)
     native = all(r.method not in REFERENCES for r in group)
+    predicted = native and all(r.predicted_s > 0 for r in group)
     return {
         "tokens_per_s": rate,
         "speedup": rate / base_rate if base_rate else 1.0,
+        "predicted_speedup": sum(r.plain_s for r in group) / sum(r.predicted_s for r in group) if predicted else None,
         "mean_accepted": (sum(r.emitted_in_steps for r in group) / steps if steps else None) if native else None,
         "acceptance_rate": (sum(r.accepted for r in group) / drafted if drafted else None) if native else None,
         "identical": sum(1 for r in group if r.identical) if greedy else None,
@@ -211,11 +217,14 @@ def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[
 
 
 def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], runs: dict[tuple[str, str], Run],
-                settings: Settings, *, noise: float, fast: bool, complete: bool) -> dict[str, Any]:
+                settings: Settings, *, noise: float, profile: CostProfile, complete: bool) -> dict[str, Any]:
     """The bench report: per entry label, overall ("methods") and per category, plus every prompt's row.
 
     `logit_noise` is the measured disagreement of two batch shapes (`specgui.equality.logit_noise`): a
     greedy divergence where the baseline's top-2 margin is within it counts as a near-tie ("ties").
+    `predicted_speedup` is what the cost model (`cost_profile`, measured at the start of the bench) predicts
+    from the steps each method took: how far measured and predicted differ is how well the model explains
+    the method's speed.
     """
     sampling = settings.sampling
     base_label = entries[0].label
@@ -230,9 +239,9 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
     base_rate = _aggregate(by_label[base_label], None, sampling.greedy)["tokens_per_s"]
     report: dict[str, Any] = {
         "model": lm.name, "device": str(lm.runner.device), "dtype": str(lm.runner.dtype).removeprefix("torch."),
-        "fast_path": fast, "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
+        "fast_path": profile.key["fast_path"], "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
         "sampling": sampling.to_dict(), "prompts": len(rows), "complete": complete, "logit_noise": noise,
-        "methods": {}, "categories": {}, "per_prompt": [], "profile": {},
+        "methods": {}, "categories": {}, "per_prompt": [], "profile": {}, "cost_profile": dataclasses.asdict(profile),
         "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
     }
     for label in labels:
@@ -285,16 +294,17 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
              "margin is within it is a near-tie)"]
     if not report["complete"]:
         lines.append("INCOMPLETE: the bench stopped before every prompt ran")
-    header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'tau':>6} {'accept':>7} {'identical':>10} "
-              f"{'ties':>5}")
+    header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'predicted':>9} {'tau':>6} {'accept':>7} "
+              f"{'identical':>10} {'ties':>5}")
 
     def row(name: str, agg: dict[str, Any]) -> str:
         tau = f"{agg['mean_accepted']:.2f}" if agg["mean_accepted"] is not None else "-"
         acc = f"{agg['acceptance_rate']:.0%}" if agg["acceptance_rate"] is not None else "-"
         ident = f"{agg['identical']}/{agg['total']}" if agg["identical"] is not None else "n/a"
         ties = str(agg["ties"]) if agg["ties"] is not None else "-"
-        return (f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {tau:>6} {acc:>7} {ident:>10} "
-                f"{ties:>5}")
+        pred = f"{agg['predicted_speedup']:.2f}x" if agg.get("predicted_speedup") is not None else "-"
+        return (f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {pred:>9} {tau:>6} {acc:>7} "
+                f"{ident:>10} {ties:>5}")
 
     lines += ["", "overall", header] + [row(n, a) for n, a in report["methods"].items()]
     for cat, per in report["categories"].items():

@@ -1,4 +1,4 @@
-"""Command line: `python -m specgui generate | bench | methods`.
+"""Command line: `python -m specgui generate | bench | methods | profile`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(bench)
 
     sub.add_parser("methods", help="list methods and their parameters")
+
+    prof = sub.add_parser("profile", help="the cost model's measured profile of a model on this device")
+    prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the saved profile")
+    prof.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
+    add_model_args(prof)
     return parser
 
 
@@ -194,11 +199,26 @@ def cmd_methods(args: argparse.Namespace) -> None:
             print(f"    {spec['name']:<18} {bounds or choices:<14} {spec['help']}")
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    """Measure (or read) the profile, let every method measure its mechanism on a short run, print it all."""
+    from specgui import costs, decode, fastpath
+    from specgui.text import encode_prompt
+
+    lm = load_model(args)
+    fast = fastpath.resolve(args.fast_path, lm.runner)
+    profile = costs.profile_for(lm, fast, refresh=args.refresh)
+    ids = encode_prompt(lm.tokenizer, "Summarise: the cost model measures what each forward costs.")
+    for name in methods.names():
+        decode.run(lm, ids, name, max_new_tokens=8, fast_path=args.fast_path, profile=profile)
+    print(profile.summary())
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
         args = build_parser().parse_args(argv)
-        {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods}[args.command](args)
+        {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods,
+         "profile": cmd_profile}[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

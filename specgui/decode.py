@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from specgui import fastpath, kvcache, methods
+from specgui import costs, fastpath, kvcache, methods
+from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
@@ -105,23 +106,28 @@ def generate(
     prompt_text: str = "",
     should_stop: Callable[[], bool] | None = None,
     fast_path: str = "auto",
+    profile: CostProfile | None = None,
 ) -> Iterator[Event]:
     """Decode with `method`, yielding Start, Prefill, one Step per cycle, then Summary.
 
     `fast_path` ("auto": on a CUDA GPU, "on", "off") runs every forward in static shapes over a
     fixed-capacity cache, as CUDA graph replays on a GPU (`specgui.fastpath`); the tokens are the same.
+    `profile` is the cost model methods size their drafts by and steps are priced with (default: the
+    model's on this path, measured on first use, before any timing starts).
     """
     _check_request(lm, prompt_ids, max_new_tokens)
     runner = lm.runner
     drafter = methods.create(method, runner, lm.name, sampling, params)
     generator = None if sampling.greedy else sampling.generator(runner.head_device)
     static = fastpath.resolve(fast_path, runner)
+    profile = profile or costs.profile_for(lm, static)
     cache = fastpath.cache_for(runner, len(prompt_ids) + max_new_tokens) if static else kvcache.KVCache()
-    state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens)
+    state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
+                        profile)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
-                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static)
+                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static, costs=profile.curve())
 
     with torch.inference_mode():
         clock = _Clock(runner.device)
@@ -149,10 +155,13 @@ def generate(
                 stop = "cancelled"
                 break
             context = state.tokens[-4:]
+            plain_ms = state.plain_ms()
             # 1. draft
             draft = drafter.draft(state)
             clock.mark()
             # 2. verify: one target forward over the pending token, the tree and any extras
+            rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
+            predicted_ms = draft.cost_ms + state.verify_ms(rows)
             logits, extra_logits = _verify_forward(state, draft)
             verdict = verify(logits, draft, sampling, generator)
             # 3. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
@@ -176,8 +185,8 @@ def generate(
                 token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
                 emitted_pieces=tuple(detok.push(t) for t in emitted),
                 margins=tuple(_margins(logits[[0] + [i + 1 for i in verdict.path]]))[: len(emitted)],
-                forward_tokens=1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0),
-                draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms, payload=payload,
+                forward_tokens=rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
+                payload=payload, predicted_ms=predicted_ms, plain_ms=plain_ms,
             )
             steps.append(step)
             yield step

@@ -39,7 +39,9 @@ class Draft:
 
     `probs` [N, V] holds the draft distribution of each node when it was sampled from a model; without
     it a node is treated as one-hot, which keeps speculative sampling lossless for n-gram drafts.
-    Children of a node are tried in node order, so put the drafter's favourite first.
+    Children of a node are tried in node order, so put the drafter's favourite first. `cost_ms` is the
+    cost model's price of the drafter's own work this step (draft forwards, compressed passes, lookups),
+    besides the verify forward; the decode loop adds the verify's price to predict the step.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -48,6 +50,7 @@ class Draft:
     extras: Extras | None = None
     observer: Observer | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    cost_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.parents is None:

@@ -13,8 +13,10 @@ on; a method sets the ones that apply, and new keys are fine:
                    the DP's final state to the full model's) and "dp_ms"
   "acs":           [cosine per layer] attention in/out similarity over the prompt (ADMG, in Prefill)
   "exit":          {"threshold": t, "confidences": [top-1 prob per draft token], "reason": why the
-                   draft stopped ("threshold", "max", "budget"), or "paused" when the back-off skipped it}
-  "draft_len":     the draft length limit in force (adaptive back-off)
+                   draft stopped ("threshold", "limit", "budget"), or "paused" when it drafted nothing}
+  "draft_len":     the draft length the cost model chose (0: paused)
+  "plan":          the cost model's sizing decision (`specgui.methods.policy.Plan`): {"size", "mode" (draft,
+                   probe, paused, fixed), "predicted" and "best" speedups of a step, "expected" accepted}
   "fractal_layers": [layer, ...] where compressed passes are spliced in (Fractal, in Prefill and Step)
   "origin":        [fractal layer per draft node] which fractal layer produced the node's final token
   "branches":      [[token, ...] per branch] Self-Draft's draft branches as fed to this forward
@@ -57,6 +59,7 @@ class Start:
     prompt_ids: tuple[int, ...]
     prompt_text: str
     fast_path: bool = False  # static shapes and, on a GPU, CUDA graphs (`specgui.fastpath`)
+    costs: dict[str, Any] = field(default_factory=dict)  # the cost profile's forward curve (`CostProfile.curve`)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class Step:
     verify_ms: float
     overhead_ms: float
     payload: dict[str, Any] = field(default_factory=dict)
+    predicted_ms: float = 0.0  # the cost model's price of this step (draft work + a verify of forward_tokens)
+    plain_ms: float = 0.0  # the cost model's price of a plain step at this context
 
     @property
     def accepted(self) -> int:
@@ -148,6 +153,13 @@ class Summary:
     stop: str  # "eos", "length" or "cancelled"
     token_ids: tuple[int, ...]
     text: str
+    predicted_s: float = 0.0  # the prompt forward as measured + every step as the cost model prices it
+    plain_s: float = 0.0  # the prompt forward as measured + plain steps for the same tokens, priced alike
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """The speedup the cost model predicts for this run's steps (None without a prediction)."""
+        return self.plain_s / self.predicted_s if self.predicted_s > 0 and self.plain_s > 0 else None
 
 
 Event = Start | Prefill | Step | Summary
@@ -170,6 +182,8 @@ def summarize(
     counts = Counter(s.accepted for s in steps)
     histogram = tuple(counts.get(k, 0) for k in range(max(counts, default=-1) + 1))
     new_tokens = len(token_ids)
+    predicted = all(s.predicted_ms > 0 for s in steps) and bool(steps)
+    prompt_s = (prefill.ms + prefill.overhead_ms) / 1000
     return Summary(
         new_tokens=new_tokens,
         steps=len(steps),
@@ -187,6 +201,8 @@ def summarize(
         stop=stop,
         token_ids=token_ids,
         text=text,
+        predicted_s=prompt_s + sum(s.predicted_ms for s in steps) / 1000 if predicted else 0.0,
+        plain_s=prompt_s + sum(len(s.emitted) * s.plain_ms for s in steps) / 1000 if predicted else 0.0,
     )
 
 

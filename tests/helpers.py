@@ -6,6 +6,7 @@ each method's tests call them with the method's name (and parameters that make i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -23,7 +24,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgui import decode
+from specgui import decode, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
@@ -86,11 +87,21 @@ def baseline_run(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> decode
     return _BASELINES[key]
 
 
+def drafting(method: str, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`params` with the paper's fixed draft sizes unless they say otherwise: losslessness is about what the
+    verifier makes of drafts, so these checks make sure there are drafts (the cost model may pause them)."""
+    fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
+    if "policy" not in fields or (params and "policy" in params):
+        return params
+    return {**(params or {}), "policy": "fixed"}
+
+
 def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int]], max_new_tokens: int,
                             params: dict[str, Any] | None = None, min_accepted: int = 1,
                             fast_path: str = "auto") -> list:
     """`method` (on `fast_path`) must reproduce the eager baseline's greedy tokens exactly, and must actually
     have drafted."""
+    params = drafting(method, params)
     accepted = 0
     results = []
     for ids in prompts:
@@ -132,6 +143,7 @@ def assert_sampling_lossless(lm: LoadedModel, method: str, prompt: list[int], *,
     with whatever the method drafts. Fails (with p < alpha) if the method biases the output; also fails
     if the method never drafted or never saw a rejection, because then nothing was tested.
     """
+    params = drafting(method, params)
     vocab = lm.model.config.vocab_size
     counts = torch.zeros(vocab, vocab)
     seen = {"drafted": 0, "accepted": 0, "rejected_steps": 0}

@@ -36,7 +36,7 @@ def test_acs_is_the_mean_cosine_across_each_attention(tiny_lm):
 
 
 def test_events_carry_acs_skip_set_and_adaptive_exit(tiny_lm):
-    params = {"max_pause": 0, "exit_threshold": 0.5, "target_acceptance": 0.99, "exit_step": 0.5}
+    params = {"policy": "fixed", "exit_threshold": 0.5, "target_acceptance": 0.99, "exit_step": 0.5}
     result = decode.run(tiny_lm, [1, 2, 3, 4, 5, 6], "admg", max_new_tokens=30, params=params)
     prefill = result.events[1].payload
     assert len(prefill["acs"]) == 4 and prefill["skip"]["attn"]
@@ -49,7 +49,7 @@ def test_events_carry_acs_skip_set_and_adaptive_exit(tiny_lm):
 
 
 def test_always_drafting_is_lossless(tiny_lm):
-    params = {"max_pause": 0, "exit_threshold": 0.0, "exit_step": 0.0, "every": 2, "keep_last": 1}
+    params = {"policy": "fixed", "exit_threshold": 0.0, "exit_step": 0.0, "every": 2, "keep_last": 1}
     assert_greedy_identical(tiny_lm, "admg", [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 6, 5]], 30, params=params)
     sampling_lm = tiny_model(vocab=12, layers=3, hidden=32, init=0.5, seed=1)
     assert_sampling_lossless(sampling_lm, "admg", [5, 3, 8, 1, 0, 11, 7, 2, 9, 4, 6, 10], runs=1500, params=params)

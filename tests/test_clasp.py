@@ -128,20 +128,20 @@ def test_dp_nearly_matches_brute_force_over_a_restricted_range(embedded_lm):
 
 def test_events_carry_skip_set_reoptimisation_and_exit(tiny_lm):
     result = decode.run(tiny_lm, [1, 2, 3, 4, 5, 6], "clasp", max_new_tokens=30,
-                        params={"max_pause": 0, "loi": 3, "det": 0.0, "max_draft": 3})
+                        params={"policy": "fixed", "loi": 3, "det": 0.0, "max_draft": 3})
     prefill = result.events[1]
     assert prefill.payload["reoptimized"] and set(prefill.payload["skip"]) == {"attn", "mlp"}
     assert prefill.payload["dp_ms"] > 0 and -1 <= prefill.payload["dp_score"] <= 1
     steps = result.steps
     assert all(set(s.payload["skip"]) == {"attn", "mlp"} for s in steps)
-    assert all(s.payload["exit"]["reason"] in ("max", "budget", "threshold") for s in steps)
+    assert all(s.payload["exit"]["reason"] in ("limit", "budget", "threshold") for s in steps)
     assert all(len(s.payload["exit"]["confidences"]) == s.drafted for s in steps)
     reoptimized = [s.index for s in steps if s.payload["reoptimized"]]
     assert reoptimized[:3] == [3, 6, 9]  # every LOI = 3 verify steps
 
 
 def test_sublayer_granularity_is_lossless(tiny_lm, sampling_tiny):
-    params = {"granularity": "sublayer", "skip_fraction": 0.3, "max_pause": 0, "det": 0.0}
+    params = {"granularity": "sublayer", "skip_fraction": 0.3, "policy": "fixed", "det": 0.0}
     assert_greedy_identical(tiny_lm, "clasp", [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 6, 5]], 30, params=params)
     assert_sampling_lossless(sampling_tiny, "clasp", [5, 3, 8, 1, 0, 11, 7, 2, 9, 4, 6, 10], runs=1500,
                              params=params)

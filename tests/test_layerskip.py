@@ -1,11 +1,11 @@
-"""The drafting loop both layer-skip methods share: cache invariant, draft-exit, back-off."""
+"""The drafting loop both layer-skip methods share: cache invariant, draft-exit."""
 
 import pytest
 import torch
 
 from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState
-from specgui.methods.layerskip import BackOff, ExitThreshold, draft_chain
+from specgui.methods.layerskip import ExitThreshold, draft_chain
 from specgui.runner import SkipPlan
 from specgui.sampling import GREEDY, Sampling
 
@@ -24,8 +24,8 @@ def test_draft_chain_leaves_every_layer_at_the_committed_length(tiny_lm, samplin
     state = _state(tiny_lm, [3, 1, 4, 1, 5, 9, 2, 6], sampling)
     plan = SkipPlan(attn=frozenset({1}), mlp=frozenset({2}))
     with torch.no_grad():
-        chain = draft_chain(state, plan, limit=5, max_draft=5, threshold=0.0)
-    assert len(chain.tokens) == 5 and chain.reason == "max"
+        chain = draft_chain(state, plan, limit=5, threshold=0.0)
+    assert len(chain.tokens) == 5 and chain.reason == "limit"
     assert [state.cache.get_seq_length(i) for i in range(4)] == [state.committed] * 4
     assert (chain.probs is None) == sampling.greedy
     if chain.probs is not None:
@@ -38,7 +38,7 @@ def test_draft_chain_equals_the_skipped_model_run_alone(tiny_lm):
     state = _state(tiny_lm, [7, 8, 9, 10, 11])
     plan = SkipPlan(attn=frozenset({2}), mlp=frozenset({2}))
     with torch.no_grad():
-        chain = draft_chain(state, plan, limit=4, max_draft=4, threshold=0.0)
+        chain = draft_chain(state, plan, limit=4, threshold=0.0)
         cache = KVCache()
         tiny_lm.runner.forward(torch.tensor(state.tokens[:-1]), torch.arange(state.committed), cache)
         expected, token = [], state.pending
@@ -56,12 +56,12 @@ WHOLE_LAYER_1 = SkipPlan(attn=frozenset({1}), mlp=frozenset({1}))
 def test_draft_exit_stops_after_the_first_unconfident_token(tiny_lm):
     state = _state(tiny_lm, [1, 2, 3, 4])
     with torch.no_grad():
-        chain = draft_chain(state, WHOLE_LAYER_1, limit=6, max_draft=6, threshold=0.99)
+        chain = draft_chain(state, WHOLE_LAYER_1, limit=6, threshold=0.99)
     # a random tiny model is never 99% sure: the first token is kept (it is already paid for), then stop
     assert len(chain.tokens) == 1 and chain.reason == "threshold" and chain.confidences[0] < 0.99
     with torch.no_grad():
-        short = draft_chain(state, WHOLE_LAYER_1, limit=2, max_draft=6, threshold=0.0)
-    assert short.reason == "budget" and len(short.tokens) == 2
+        short = draft_chain(state, WHOLE_LAYER_1, limit=2, threshold=0.0)
+    assert short.reason == "limit" and len(short.tokens) == 2
 
 
 def test_fixed_exit_threshold_never_moves():
@@ -78,34 +78,5 @@ def test_adaptive_exit_threshold_follows_acceptance():
         loose.update(4, 4, "threshold")
     assert strict.value > 0.55 and loose.value < 0.45
     before = strict.value
-    strict.update(0, 4, "max")  # the threshold did not stop this draft: no evidence about it
+    strict.update(0, 4, "limit")  # the threshold did not stop this draft: no evidence about it
     assert strict.value == before
-
-
-def test_backoff_pauses_grow_and_shrink():
-    backoff = BackOff(window=4, max_pause=32)
-    pauses = []
-    assert backoff.drafting()
-    for _ in range(4):  # each probe loses: 1 token worth 50 ms took 90 ms
-        backoff.drafted_step(tokens=1, verify_ms=50.0, spent_ms=90.0)
-        length = 0
-        while not backoff.drafting():
-            length += 1
-        pauses.append(length)
-    assert pauses == [1, 4, 16, 32]
-    backoff.drafted_step(tokens=3, verify_ms=50.0, spent_ms=100.0)  # a winning probe shortens the next pause
-    assert backoff.drafting()
-    backoff.drafted_step(tokens=1, verify_ms=50.0, spent_ms=400.0)
-    assert backoff.left == 8
-
-
-def test_backoff_keeps_drafting_while_it_wins_and_uses_the_plain_step_time():
-    backoff = BackOff(window=4, max_pause=8)
-    backoff.plain_step(60.0)
-    for _ in range(10):
-        assert backoff.drafting()
-        backoff.drafted_step(tokens=3, verify_ms=50.0, spent_ms=150.0)  # 3 tokens x 60 ms saved in 150 ms
-    assert backoff.gain == pytest.approx(180 / 150)
-    never = BackOff(window=4, max_pause=0)
-    never.drafted_step(tokens=1, verify_ms=50.0, spent_ms=500.0)
-    assert never.drafting()

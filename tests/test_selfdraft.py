@@ -15,7 +15,8 @@ from specgui.prompts import PromptRow
 from specgui.sampling import GREEDY
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
-BRANCHY = {"branches": 3, "branch_len": 4, "gram": 3, "budget": 6, "max_forward": 0, "use_corpus": False}
+BRANCHY = {"branches": 3, "branch_len": 4, "gram": 3, "budget": 6, "max_forward": 0, "use_corpus": False,
+           "policy": "fixed"}
 
 
 @pytest.fixture(scope="module")

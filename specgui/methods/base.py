@@ -10,18 +10,22 @@ A drafter is created per generation and lives through three calls, all made by `
                           once after the prompt forward with an empty path. Returns the event payload.
 
 Tunables live in a `Params` dataclass per method, declared with `specgui.params.param` so that presets
-(`configs/<method>.yaml`), the CLI and the app's parameter panel all validate the same ranges.
+(`configs/<method>.yaml`), the CLI and the app's parameter panel all validate the same ranges. How much
+to draft each step is the cost model's call (`specgui.methods.policy`), from `DecodeState.profile`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
 from specgui.kvcache import KVCache
+from specgui.methods.policy import DraftPolicy
 from specgui.params import NoParams
 from specgui.runner import Observer, Runner
 from specgui.sampling import Sampling
@@ -40,6 +44,7 @@ class DecodeState:
     sampling: Sampling
     generator: torch.Generator | None
     max_new_tokens: int
+    profile: CostProfile | None = None  # measured costs that size drafts (None: no prediction, e.g. while measuring)
     step: int = 0
 
     @property
@@ -54,6 +59,18 @@ class DecodeState:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def plain_ms(self) -> float:
+        """What a plain decoding step costs now (the profile's, at the current context)."""
+        return self.profile.plain_ms(self.committed) if self.profile else 1.0
+
+    def forward_ms(self, rows: int) -> float:
+        """What a target forward of `rows` tokens costs now (a draft forward, without the loop's own cost)."""
+        return self.profile.forward_ms(rows, self.committed) if self.profile else float(rows)
+
+    def verify_ms(self, rows: int) -> float:
+        """What a verify forward of `rows` tokens costs now, loop included."""
+        return self.profile.verify_ms(rows, self.committed) if self.profile else float(rows)
 
     @property
     def max_depth(self) -> int:
@@ -76,6 +93,11 @@ class Drafter:
 
     def begin(self, state: DecodeState) -> Observer | None:
         return None
+
+    def sizing(self, state: DecodeState, sizes: Iterable[int]) -> DraftPolicy:
+        """The policy that sizes this method's drafts: the cost model's, or the largest size always when the
+        parameters ask for the paper's fixed schedule or no cost profile is at hand."""
+        return DraftPolicy(sizes, fixed=self.params.policy == "fixed" or state.profile is None)
 
     def draft(self, state: DecodeState) -> Draft:
         return Draft()

@@ -61,7 +61,7 @@ class Clasp(LayerSkipDrafter):
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         self.since_dp += 1
-        if not self.recording or self.backoff.paused or state.max_depth == 0:
+        if not self.recording or state.max_depth == 0:
             return {"reoptimized": False}
         # the last accepted token: the prompt's last row after the prefill, else the verify block's row
         row = -1 if outcome.prefill else outcome.last_row

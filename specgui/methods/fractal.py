@@ -46,18 +46,20 @@ from typing import Any
 
 import torch
 
+from specgui.costs import time_ms
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState, Drafter, register
 from specgui.methods.compress import BACKENDS, CompressedModel, compressed_copy
+from specgui.methods.policy import SizedParams
 from specgui.params import param
 from specgui.runner import MLP, Pass, Runner, unit_index
 from specgui.sampling import Sampling
 
 
 @dataclass(frozen=True)
-class FractalParams:
+class FractalParams(SizedParams):
     num_fractal: int = param(low=0, high=128, help="n: fractal layers, clamped to the model's layer count "
                              "(0: the paper's L/4)")
     window: int = param(low=0, high=32, help="w: draft slots refined per forward (0: w = n, the paper's choice)")
@@ -221,31 +223,54 @@ class Fractal(Drafter):
         self.carried_origin: list[int] = []
         self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
         self.carrying: Splice | None = None
-        self.draft_len = 0
+        self.draft_len, self.exhausted = 0, False
+        w = self.plan.window
+        self.policy = self.sizing(state, range(1, w + 1))
+        key = f"fractal.pass.{self.plan.compressed.backend}.rows{1 + w}"
+        self.pass_ms = state.profile.mechanism(key, lambda: self._pass_ms(1 + w)) if state.profile else 1.0
 
     def draft(self, state: DecodeState) -> Draft:
+        """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
         self.splices = []
         self.carrying = None
-        depth = state.max_depth
-        if depth == 0:
-            self.draft_len = 0
-            return Draft(info={**self._info(), "origin": []})
+        depth, w, passes = state.max_depth, self.plan.window, len(self.plan.layers) * self.pass_ms
+        own = 0.0 if self.carried else state.forward_ms(1 + w) + passes
+        slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
+        # a draft of n: (the own draft forward), a verify of n tokens with the next slots, and their passes
+        sizing = self.policy.choose(lambda n: own + state.verify_ms(1 + n + slots) + (passes if slots else 0.0),
+                                    state.plain_ms(), min(depth, len(self.carried) if self.carried else w))
+        if sizing.size == 0:
+            self.draft_len, self.carried, self.carried_origin = 0, [], []
+            return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})
         if self.carried:
-            tokens, origin, source = self.carried[:depth], self.carried_origin[:depth], "carried"
+            tokens, origin, source, cost = self.carried, self.carried_origin, "carried", 0.0
         else:
             tokens, origin = self._draft_forward(state)
-            tokens, origin, source = tokens[:depth], origin[:depth], "draft forward"
-        self.draft_len = len(tokens)
+            source, cost = "draft forward", own
+        tokens, origin = tokens[: sizing.size], origin[: sizing.size]
+        self.draft_len, self.exhausted = len(tokens), len(tokens) < sizing.size
         # after this step emits the draft and its own token, the next one can draft only if depth is left
         extras = self._slots(state, tokens) if self.params.carry and depth > len(tokens) + 1 else None
         observer = self.carrying.observer if self.carrying is not None else None
-        return Draft(tokens=tokens, extras=extras, observer=observer,
-                     info={**self._info(), "origin": origin, "source": source})
+        return Draft(tokens=tokens, extras=extras, observer=observer, cost_ms=cost + (passes if extras else 0.0),
+                     info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
+
+    def _pass_ms(self, rows: int) -> float:
+        """One compressed pass (every compressed layer and the head) over `rows` rows after a 128-token prefix."""
+        runner, comp = self.runner, self.plan.compressed
+        prefix = torch.arange(128) % int(runner.config.vocab_size)
+        cache = KVCache()
+        with torch.inference_mode():
+            runner.forward(prefix, torch.arange(128), cache)
+            step = runner.new_pass(torch.arange(128, 128 + rows), cache.view(128))
+            h = comp.embed(prefix[:rows].view(1, -1).to(runner.embed_device))
+            return time_ms(lambda: comp.logits(comp.run(step, h, range(runner.num_layers))), runner.device, 3)
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if outcome.prefill:
             return {"fractal_layers": list(self.plan.layers), "backend": self.plan.compressed.backend,
                     "compress_ms": self.build_ms}
+        self.policy.learn(outcome.path, self.draft_len, self.exhausted)
         self.carried, self.carried_origin = [], []
         splice = self.carrying
         if splice is not None and outcome.accepted == self.draft_len and outcome.extra_logits is not None:

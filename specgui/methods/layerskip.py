@@ -6,11 +6,11 @@
     KV cache (the prefix keys are the full model's; the draft's own keys are cropped afterwards), and
     stops after a token whose top-1 probability falls below the draft-exit threshold.
   * `ExitThreshold`: that threshold, fixed (CLaSp's DET) or adaptive (Draft & Verify, section 3.4).
-  * `BackOff`: a draft forward costs most of a full forward unless many layers are skipped (on a CPU,
-    skipping 10 of SmolLM2's 30 layers still costs 0.72 of a forward), so drafting only pays while
-    acceptance is high. The back-off measures what drafting actually gains and pauses it, for
-    exponentially longer stretches, while it loses; one probe step after each pause decides again.
-  * `LayerSkipDrafter`: the drafter both methods subclass; they set `self.plan` and add payload.
+  * `LayerSkipDrafter`: the drafter both methods subclass; they set `self.plan` and add payload. How
+    many tokens it drafts is the cost model's call (`specgui.methods.policy`): a draft token costs a
+    forward with the plan's sub-layers skipped, which is most of a full forward unless many layers are
+    skipped (on a CPU, skipping 10 of SmolLM2's 30 layers still costs 0.72 of one), so drafting pays only
+    where acceptance is high and the verify of the draft is cheap. Where no length pays, it pauses.
 
 Sampling stays lossless because every draft token carries the distribution it was sampled from
 (`Draft.probs`, processed exactly like the target's by `specgui.sampling.probabilities`).
@@ -18,7 +18,6 @@ Sampling stays lossless because every draft token carries the distribution it wa
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 from specgui.draft import Draft, Outcome
 from specgui.methods.base import DecodeState, Drafter
+from specgui.methods.policy import SizedParams
 from specgui.params import param
 from specgui.runner import Observer, SkipPlan
 from specgui.sampling import probabilities
@@ -38,16 +38,16 @@ class Chain:
     tokens: list[int]
     probs: torch.Tensor | None  # [N, V]
     confidences: list[float]  # top-1 probability of the draft distribution at each token
-    reason: str  # "threshold", "max" (draft length limit), "budget" (end of the generation) or "paused"
+    reason: str  # "threshold", "limit" (the size drafted for), "budget" (end of the generation) or "paused"
 
 
-def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, max_draft: int, threshold: float) -> Chain:
+def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float) -> Chain:
     """Draft up to `limit` tokens with `plan`'s sub-layers skipped; leaves the cache as it found it."""
     runner, start, sampling = state.runner, state.committed, state.sampling
     tokens: list[int] = []
     dists: list[torch.Tensor] = []
     confidences: list[float] = []
-    token, reason = state.pending, ("max" if limit >= max_draft else "budget")
+    token, reason = state.pending, "limit"
     for i in range(limit):
         logits = runner.forward(torch.tensor([token]), torch.tensor([start + i]), state.cache, skip=plan)[0]
         if sampling.greedy:
@@ -94,63 +94,11 @@ class ExitThreshold:
         self.value = min(1.0, max(0.0, self.BETA2 * self.value + (1 - self.BETA2) * moved))
 
 
-class BackOff:
-    """Decides, step by step, whether to draft at all, from the time drafting measurably saves.
-
-    Each drafted step's gain is (tokens it emitted x the time of a plain step) / (time it took: draft
-    + verify + the drafter's amortized overhead); the gain over the last `window` drafted steps below 1
-    means drafting loses, and drafting pauses for `pause` steps. Each pause is GROWTH times the
-    previous (at most `max_pause`); each step that wins divides it again. After a pause the window is
-    empty, so one probe step decides whether drafting resumes. A failed probe costs most of a
-    forward, so pauses grow fast: where drafting never wins, 64 steps hold 4 probes (6 with doubling).
-    The plain step time is measured on paused steps (a verify forward of the pending token alone);
-    until there is one, the step's own verify time stands in for it, which is close wherever a verify
-    of a few tokens costs about one token.
-    """
-
-    GROWTH = 4
-
-    def __init__(self, window: int, max_pause: int) -> None:
-        self.history: deque[tuple[float, float]] = deque(maxlen=window)  # (plain-time equivalent, spent)
-        self.max_pause = max_pause
-        self.pause = 1
-        self.left = 0
-        self.plain_ms: float | None = None
-        self.gain: float | None = None
-
-    def drafting(self) -> bool:
-        """Whether this step drafts; call once per step."""
-        if self.left > 0:
-            self.left -= 1
-            return False
-        return True
-
-    def plain_step(self, verify_ms: float) -> None:
-        self.plain_ms = verify_ms if self.plain_ms is None else 0.8 * self.plain_ms + 0.2 * verify_ms
-
-    def drafted_step(self, tokens: int, verify_ms: float, spent_ms: float) -> None:
-        self.history.append((tokens * (self.plain_ms or verify_ms), spent_ms))
-        self.gain = sum(saved for saved, _ in self.history) / max(1e-9, sum(spent for _, spent in self.history))
-        if self.gain >= 1.0:
-            self.pause = max(1, self.pause // self.GROWTH)
-        elif self.max_pause > 0:
-            self.left = min(self.pause, self.max_pause)
-            self.pause = min(self.GROWTH * self.pause, self.max_pause)
-            self.history.clear()
-
-    @property
-    def paused(self) -> bool:
-        return self.left > 0
-
-
 @dataclass(frozen=True)
-class LayerSkipParams:
+class LayerSkipParams(SizedParams):
     """Drafting tunables both layer-skip methods share (each method adds its own)."""
 
-    max_draft: int = param(low=1, high=32, help="most draft tokens per step (K)")
-    backoff_window: int = param(low=1, high=64, help="drafted steps over which the back-off measures the gain")
-    max_pause: int = param(low=0, high=256, help="longest pause (steps without drafting) when drafting loses "
-                                                 "time; 0 never pauses")
+    max_draft: int = param(low=1, high=32, help="most draft tokens per step (K); the cost model may draft fewer")
 
 
 class LayerSkipDrafter(Drafter):
@@ -159,7 +107,7 @@ class LayerSkipDrafter(Drafter):
     def begin(self, state: DecodeState) -> Observer | None:
         self.plan = SkipPlan()
         self.exit = self.make_exit()
-        self.backoff = BackOff(self.params.backoff_window, self.params.max_pause)
+        self.policy = self.sizing(state, range(1, self.params.max_draft + 1))
         self.chain: Chain | None = None
         return None
 
@@ -171,31 +119,29 @@ class LayerSkipDrafter(Drafter):
         return 0.0
 
     def draft(self, state: DecodeState) -> Draft:
-        limit = min(self.params.max_draft, state.max_depth)
-        drafting = self.backoff.drafting() and limit > 0
-        self.chain = draft_chain(state, self.plan, limit, self.params.max_draft, self.exit.value) if drafting else None
-        shown = self.chain or Chain([], None, [], "paused" if limit > 0 else "budget")
+        token_ms = state.profile.skip_forward_ms(self.plan, state.committed) if state.profile else 1.0
+        depth = min(self.params.max_draft, state.max_depth)
+        sizing = self.policy.choose(lambda k: k * token_ms + self.overhead_ms() + state.verify_ms(1 + k),
+                                    state.plain_ms(), depth)
+        drafting = sizing.size > 0
+        self.chain = draft_chain(state, self.plan, sizing.size, self.exit.value) if drafting else None
+        shown = self.chain or Chain([], None, [], "paused" if depth > 0 else "budget")
         skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
-        info = {"skip": skipped.to_dict(), "draft_len": limit if drafting else 0,
+        info = {"skip": skipped.to_dict(), "draft_len": sizing.size, "plan": sizing.to_dict(),
                 "exit": {"threshold": self.exit.value, "confidences": shown.confidences, "reason": shown.reason}}
-        return Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info)
+        cost = len(shown.tokens) * token_ms + (self.overhead_ms() if drafting else 0.0)
+        return Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info,
+                     cost_ms=cost)
 
     def observer(self, drafting: bool) -> Observer | None:
         """An observer for this step's verify forward (CLaSp records hidden states); None by default."""
         return None
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
-        payload: dict[str, Any] = {}
-        if not outcome.prefill:
-            if self.chain is None:
-                self.backoff.plain_step(outcome.verify_ms)
-            else:
-                self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
-                self.backoff.drafted_step(1 + outcome.accepted, outcome.verify_ms,
-                                          outcome.draft_ms + outcome.verify_ms + self.overhead_ms())
-                payload["gain"] = self.backoff.gain
-        payload.update(self.learn(state, outcome))
-        return payload
+        if not outcome.prefill and self.chain is not None:
+            self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
+            self.policy.learn(outcome.path, len(self.chain.tokens), exhausted=self.chain.reason == "threshold")
+        return self.learn(state, outcome)
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         """Method-specific update after a verify (or the prefill); returns extra payload."""

@@ -3,7 +3,9 @@
 The last `n` tokens (n from `max_ngram` down to `min_ngram`) are looked up among earlier positions of
 prompt + output; the tokens that followed the most recent earlier occurrence become a chain draft.
 No forward is spent on drafting, which makes it the cheapest check of the drafter interface and the
-verifier end to end, and strong wherever output copies input (summaries, code edits).
+verifier end to end, and strong wherever output copies input (summaries, code edits). How many of the
+found tokens to copy is the cost model's call (`specgui.methods.policy`): a verify of many tokens is
+nearly free on a GPU and is not on a CPU, and a prompt that rarely repeats itself wants short drafts.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from specgui.costs import time_ms
 from specgui.draft import Draft, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
+from specgui.methods.policy import SizedParams
 from specgui.params import param
 
 
@@ -43,10 +49,10 @@ class NgramIndex:
 
 
 @dataclass(frozen=True)
-class PldParams:
+class PldParams(SizedParams):
     max_ngram: int = param(low=1, high=8, help="longest suffix n-gram to look up")
     min_ngram: int = param(low=1, high=8, help="shortest suffix n-gram to look up")
-    num_draft: int = param(low=1, high=64, help="most tokens copied per draft")
+    num_draft: int = param(low=1, high=64, help="most tokens copied per draft (the cost model may copy fewer)")
 
 
 @register
@@ -59,11 +65,30 @@ class PromptLookup(Drafter):
     def begin(self, state: DecodeState) -> None:
         lo, hi = sorted((self.params.min_ngram, self.params.max_ngram))
         self.index = NgramIndex(lo, hi)
+        self.policy = self.sizing(state, range(1, self.params.num_draft + 1))
+        self.lookup_ms = state.profile.mechanism("pld.lookup", lambda: _lookup_ms(lo, hi)) if state.profile else 0.0
+        self.drafted, self.exhausted = 0, False
 
     def draft(self, state: DecodeState) -> Draft:
-        tokens, n = self.index.lookup(state.tokens, min(self.params.num_draft, state.max_depth))
-        return Draft(tokens=tokens, info={"ngram": n})
+        found, n = self.index.lookup(state.tokens, min(self.params.num_draft, state.max_depth))
+        if not found:
+            self.drafted = 0
+            return Draft(info={"ngram": n}, cost_ms=self.lookup_ms)
+        plan = self.policy.choose(lambda k: self.lookup_ms + state.verify_ms(1 + k), state.plain_ms(), len(found))
+        tokens = found[: plan.size]
+        self.drafted, self.exhausted = len(tokens), plan.size == len(found)
+        return Draft(tokens=tokens, cost_ms=self.lookup_ms, info={"ngram": n, "plan": plan.to_dict()})
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if not outcome.prefill:
+            self.policy.learn(outcome.path, self.drafted, self.exhausted)
         self.index.update(state.tokens)
         return {}
+
+
+def _lookup_ms(lo: int, hi: int) -> float:
+    """One lookup in the index of a 1024-token text (the mechanism's cost for the cost model)."""
+    text = torch.randint(0, 1000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    index = NgramIndex(lo, hi)
+    index.update(text)
+    return time_ms(lambda: index.lookup(text, 8), torch.device("cpu"))

@@ -20,9 +20,11 @@ Branches start as one prompt token each and grow one token per forward: these ar
 steps, which harvest nothing until a branch holds a full n-gram window. Unlike Algorithm 1, candidates are
 verified from the first step, since the prompt-indexed context cache is never empty.
 
-On a GPU the paper's N = L = 6 rides for free; on a CPU every token past about five in a forward costs time,
-so the presets in configs/selfdraft.yaml come from `python -m specgui.grid`: there `max_forward` caps the
-forward, candidates take the slots first and the branches take turns in whatever room is left.
+Sizing: how many trie nodes to verify is the cost model's call (`specgui.methods.policy`), from what the
+verdicts show each additional node is worth and what the forward's extra rows cost; branch tokens then ride
+in the rows the profile prices as free beside them (on a GPU all of the paper's N = L = 6; on this CPU the
+few that a forward of about five tokens leaves), taking turns, so every branch keeps advancing.
+`max_forward` caps the forward's tokens whatever the profile says.
 """
 
 from __future__ import annotations
@@ -32,22 +34,27 @@ from typing import Any
 
 import torch
 
+from specgui.costs import time_ms
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.methods.base import DecodeState, Drafter, register
 from specgui.methods.ngram_cache import CorpusCache, NgramCache, load_corpus
+from specgui.methods.policy import SizedParams
 from specgui.params import param
+
+FREE = 0.03  # extra rows whose forward costs at most this much more than without them ride "for free"
 
 
 @dataclass(frozen=True)
-class SelfDraftParams:
+class SelfDraftParams(SizedParams):
     branches: int = param(low=0, high=16, help="draft branches N (0: none)")
     branch_len: int = param(low=1, high=16, help="longest draft branch L: the oldest token drops past it")
     gram: int = param(low=1, high=8, help="n-gram length G: tokens a candidate proposes after its key")
     max_key: int = param(low=1, high=4, help="longest key (tokens) that retrieval backs off from")
-    budget: int = param(low=0, high=64, help="most candidate tokens (trie nodes) verified per forward")
-    max_forward: int = param(low=0, high=512, help="most tokens per forward; branches ride, in turn, only in the "
-                             "room candidates leave (0: no limit, every branch every forward)")
+    budget: int = param(low=0, high=64, help="most candidate tokens (trie nodes) verified per forward (the cost "
+                        "model may verify fewer)")
+    max_forward: int = param(low=0, high=512, help="most tokens per forward whatever the cost model says (0: no "
+                             "cap)")
     lru: int = param(low=1, high=64, help="continuations the context cache keeps per key")
     use_context: bool = param(help="verify context-cache candidates (off also stops the branches feeding it)")
     use_corpus: bool = param(help="verify corpus-cache candidates")
@@ -107,6 +114,20 @@ class SelfDraft(Drafter):
         self.fed: dict[int, list[int]] = {}  # branch index -> its tokens as fed to the last forward
         self.turn = 0  # the branch first in line for the next forward
         self.candidates: list[dict[str, Any]] = []
+        self.policy = self.sizing(state, range(1, p.budget + 1))
+        self.verified, self.exhausted = 0, False
+        self.retrieve_ms = state.profile.mechanism("selfdraft.retrieve", self._retrieve_ms) if state.profile else 0.0
+
+    def _retrieve_ms(self) -> float:
+        """One retrieval into a full trie from a context cache indexed over 1024 tokens (for the cost model)."""
+        text = torch.randint(0, 1000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+        saved = self.context
+        self.context = NgramCache(self.params.max_key, self.params.lru)
+        self.context.add_text(text, self.params.gram, range(len(text) - 1))
+        try:
+            return time_ms(lambda: self._retrieve(text, self.params.gram), torch.device("cpu"))
+        finally:
+            self.context = saved
 
     def _corpus(self) -> CorpusCache:
         corpus = load_corpus(self.params.corpus)
@@ -121,24 +142,39 @@ class SelfDraft(Drafter):
 
     def draft(self, state: DecodeState) -> Draft:
         depth = state.max_depth
-        trie, self.candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
-        self.fed = self._choose_branches(len(trie.tokens)) if depth > 0 else {}
+        trie, candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
+        found = len(trie.tokens)
+        sizing = self.policy.choose(lambda n: self.retrieve_ms + state.verify_ms(1 + n + self._room(state, n)),
+                                    state.plain_ms(), found) if found else None
+        n = sizing.size if sizing else 0
+        self.verified, self.exhausted = n, n == found
+        self.candidates = [{**c, "nodes": [x for x in c["nodes"] if x < n]} for c in candidates]
+        self.candidates = [c for c in self.candidates if c["nodes"]]
+        self.fed = self._choose_branches(self._room(state, n)) if depth > 0 else {}
         info: dict[str, Any] = {"branches": list(self.fed.values()), "candidates": self.candidates,
                                 "warmup": any(len(b) < self.params.branch_len for b in self.branches)}
-        extras = self._extras(state.committed, len(trie.tokens)) if self.fed else None
-        return Draft(tokens=trie.tokens, parents=trie.parents, extras=extras, info=info)
+        if sizing is not None:
+            info["plan"] = sizing.to_dict()
+        extras = self._extras(state.committed, n) if self.fed else None
+        return Draft(tokens=trie.tokens[:n], parents=trie.parents[:n], extras=extras, info=info,
+                     cost_ms=self.retrieve_ms)
 
-    def _choose_branches(self, nodes: int) -> dict[int, list[int]]:
-        """Every branch, or with `max_forward` those that fit beside the pending token and the candidates.
+    def _room(self, state: DecodeState, nodes: int) -> int:
+        """Branch tokens that may ride beside `nodes` candidate nodes: all of them under the fixed policy,
+        else those the profile prices as free (within `FREE` of the forward without them); `max_forward` caps."""
+        total = sum(len(b) for b in self.branches)
+        room = total
+        if self.params.policy != "fixed":
+            base = state.verify_ms(1 + nodes)
+            while room > 0 and state.verify_ms(1 + nodes + room) > base * (1 + FREE):
+                room -= 1
+        if self.params.max_forward:
+            room = min(room, max(0, self.params.max_forward - 1 - nodes))
+        return room
 
-        On a CPU a forward of up to ~5 tokens costs about one token and each token past that costs more, so
-        the branches can use the slots that retrieval left free without slowing the verify forward; they
-        take turns, so every branch keeps advancing.
-        """
+    def _choose_branches(self, room: int) -> dict[int, list[int]]:
+        """The branches that fit in `room` tokens, taking turns so that every branch keeps advancing."""
         count = len(self.branches)
-        if not self.params.max_forward:
-            return {i: list(b) for i, b in enumerate(self.branches)}
-        room = self.params.max_forward - 1 - nodes
         fed: dict[int, list[int]] = {}
         for i in [(self.turn + j) % count for j in range(count)]:
             if len(self.branches[i]) <= room:
@@ -151,7 +187,7 @@ class SelfDraft(Drafter):
         """Context candidates first, then corpus ones, longest key first, until the trie is full."""
         budget = self.params.budget if depth > 0 else 0
         if self.params.max_forward:
-            budget = min(budget, self.params.max_forward - 1)
+            budget = max(0, min(budget, self.params.max_forward - 1))
         trie = CandidateTrie(budget)
         candidates: list[dict[str, Any]] = []
         sources = [("context", self.context if self.params.use_context else None), ("corpus", self.corpus)]
@@ -182,6 +218,8 @@ class SelfDraft(Drafter):
     # -- 5. observe -----------------------------------------------------------------------------------------
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if not outcome.prefill:
+            self.policy.learn(outcome.path, self.verified, self.exhausted)
         if outcome.extra_logits is not None:
             self._advance_branches(outcome.extra_logits.argmax(-1).tolist())
         if self.params.use_context:

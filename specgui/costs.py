@@ -1,0 +1,281 @@
+"""The cost model: what forwards, sub-layers and drafting mechanisms cost on this model and device, measured,
+and what a draft -> verify step is therefore predicted to cost.
+
+Why: whether speculative decoding pays depends on the hardware, the model size and the prompt, and "I
+cannot reproduce the speedup" is the commonest complaint about it. A step that emits tau tokens pays
+off only if it costs less than tau plain steps; what a step costs is a property of the device (a verify
+forward of 8 tokens costs about one token on a GPU, a third more on this CPU) and of the method (a
+layer-skip draft forward costs most of a full one on a small model). So the costs are measured, not
+assumed, and every prediction and every method's draft size comes from them.
+
+A `CostProfile` is measured once per (model, device, dtype, fast path) in a few seconds and cached on
+disk beside the converted weights (`cache_root()/profiles/`); `python -m specgui profile` prints it,
+`--refresh` measures again. It holds, as median milliseconds:
+
+  forward[c][T]  a target forward of T new tokens (T = 1 ... 64) over a cached context of c tokens, at a
+                 short and a long context
+  step           a whole plain decoding step (baseline: forward, verdict, bookkeeping) at the short context:
+                 the unit speedups are counted in
+  attn[l], mlp[l] each sub-layer over one token, from which a layer-skip draft forward's cost follows
+  head           the final norm and LM head over one row
+  mechanisms     each method's own drafting work (n-gram lookup, compressed pass, skip-set search ...),
+                 measured by the method on its first use and saved with the profile
+
+Predictions: a step that drafts with extra work `extra_ms` and verifies `rows` tokens costs
+`extra_ms + verify_ms(rows)`, where `verify_ms` is the forward plus the loop's own per-step cost; it pays
+off when tau / (its cost / `step`) > 1, i.e. when tau exceeds the break-even tau (its cost / `step`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specgui import __version__, fastpath
+from specgui.kvcache import KVCache
+from specgui.loading import cache_root
+from specgui.runner import ATTN, MLP, Runner, SkipPlan
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # new tokens per measured forward
+CONTEXTS = (128, 1024)  # the short and the long context, in cached tokens
+REPEATS = 3  # each figure is the median of this many timed calls, after one warm-up
+_PROFILES: weakref.WeakKeyDictionary[Runner, dict[bool, CostProfile]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class CostProfile:
+    """Measured costs of one model on one device (see the module docstring), and predictions from them."""
+
+    key: dict[str, Any]
+    sizes: list[int]
+    contexts: list[int]
+    forward: list[list[float]]  # [context index][size index] ms
+    step: float
+    attn: list[float]
+    mlp: list[float]
+    head: float
+    mechanisms: dict[str, float] = field(default_factory=dict)
+    measure_s: float = 0.0
+    path: str = ""  # where it is saved ("" for none)
+
+    # -- predictions ----------------------------------------------------------------------------------------
+
+    def forward_ms(self, rows: int, context: int) -> float:
+        """A target forward of `rows` new tokens over `context` cached ones (interpolated, linear beyond)."""
+        per_context = [_interpolate(self.sizes, costs, rows) for costs in self.forward]
+        return max(0.0, _interpolate(self.contexts, per_context, context))
+
+    @property
+    def loop_ms(self) -> float:
+        """What a decoding step costs beyond its forward (the verdict, the cache, the bookkeeping)."""
+        return max(0.0, self.step - self.forward_ms(1, self.contexts[0]))
+
+    def verify_ms(self, rows: int, context: int) -> float:
+        """A step's verify phase: one forward of `rows` tokens plus the loop's own cost."""
+        return self.forward_ms(rows, context) + self.loop_ms
+
+    def plain_ms(self, context: int) -> float:
+        """A plain decoding step at `context`: what every method is measured against."""
+        return self.verify_ms(1, context)
+
+    def skip_forward_ms(self, plan: SkipPlan, context: int) -> float:
+        """A one-token forward with `plan`'s sub-layers skipped (a layer-skip draft token)."""
+        saved = sum(self.attn[layer] for layer in plan.attn) + sum(self.mlp[layer] for layer in plan.mlp)
+        full = self.forward_ms(1, context)
+        return max(self.head, full - saved * full / self.forward_ms(1, self.contexts[0]))
+
+    def mechanism(self, name: str, measure: Callable[[], float]) -> float:
+        """The cost of a method's own mechanism `name` (ms), measured by `measure` on first use and saved."""
+        if name not in self.mechanisms:
+            self.mechanisms[name] = measure()
+            self.save()
+        return self.mechanisms[name]
+
+    def curve(self) -> dict[str, Any]:
+        """The forward curve and the plain step, for events: what the app draws, even in a replay."""
+        return {"sizes": self.sizes, "contexts": self.contexts, "forward": self.forward, "step": self.step,
+                "loop": self.loop_ms, "device": self.key.get("device", "")}
+
+    # -- storage --------------------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        target = Path(self.path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(asdict(self), indent=1), encoding="utf-8")
+            tmp.replace(target)
+        except OSError:
+            pass  # a read-only cache: the profile still serves this process
+
+    def summary(self) -> str:
+        """The profile as text (what `python -m specgui profile` prints)."""
+        k = self.key
+        lines = [f"cost profile of {k['model']} on {k['device']} ({k['dtype']}, "
+                 f"{'fast path' if k['fast_path'] else 'eager'}), measured in {self.measure_s:.1f} s",
+                 f"plain step {self.step:.2f} ms (forward {self.forward_ms(1, self.contexts[0]):.2f} + loop "
+                 f"{self.loop_ms:.2f}), LM head {self.head:.2f} ms", "",
+                 "forward ms by new tokens T (rows) and cached context (columns):",
+                 f"{'T':>4} " + " ".join(f"{'ctx ' + str(c):>10}" for c in self.contexts) + "   vs T=1"]
+        for i, t in enumerate(self.sizes):
+            cells = " ".join(f"{self.forward[j][i]:>10.2f}" for j in range(len(self.contexts)))
+            lines.append(f"{t:>4} {cells}   {self.forward[0][i] / self.forward[0][0]:>5.2f}x")
+        lines += ["", "sub-layers over one token (ms), per layer:",
+                  "  attn " + " ".join(f"{x:.2f}" for x in self.attn),
+                  "  mlp  " + " ".join(f"{x:.2f}" for x in self.mlp)]
+        if self.mechanisms:
+            lines += ["", "drafting mechanisms (ms):"]
+            lines += [f"  {k:<28} {v:.3f}" for k, v in sorted(self.mechanisms.items())]
+        if self.path:
+            lines += ["", f"saved in {self.path}"]
+        return "\n".join(lines)
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), continued linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+# -- measuring ------------------------------------------------------------------------------------------------
+
+
+def profile_for(lm: Any, fast_path: bool, *, refresh: bool = False) -> CostProfile:
+    """The cost profile of a loaded model on the path it decodes with: from memory, from disk, or measured."""
+    runner = lm.runner
+    known = _PROFILES.setdefault(runner, {})
+    if fast_path in known and not refresh:
+        return known[fast_path]
+    key = _key(lm, fast_path)
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_root() / "profiles" / f"{_safe(lm.name)}-{digest}.json"
+    profile = None if refresh else _read(path, key)
+    if profile is None:
+        profile = measure(lm, fast_path)
+        profile.path = str(path)
+        profile.save()
+    known[fast_path] = profile
+    return profile
+
+
+def measure(lm: Any, fast_path: bool) -> CostProfile:
+    """Measure a profile: forwards at every size and both contexts, sub-layers, the head, a plain step."""
+    runner = lm.runner
+    started = time.perf_counter()
+    room = max(1, lm.max_context - SIZES[-1])  # a context and the largest forward must fit the model
+    contexts = sorted({min(c, room) for c in CONTEXTS})
+    vocab = int(runner.config.vocab_size)
+    tokens = torch.randint(0, vocab, (contexts[-1] + SIZES[-1],), generator=torch.Generator().manual_seed(0))
+    sync = _sync(runner.device)
+    forward: list[list[float]] = []
+    with torch.inference_mode():
+        for c in contexts:
+            cache = fastpath.cache_for(runner, c + SIZES[-1]) if fast_path else KVCache()
+            runner.forward(tokens[:c], torch.arange(c), cache)
+            calls = [lambda t=t, c=c, cache=cache: runner.forward(tokens[c : c + t], torch.arange(c, c + t),
+                                                                    cache.view(c)) for t in SIZES]
+            forward.append(_medians_ms(calls, sync))
+        attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync)
+    profile = CostProfile(key=_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward, step=0.0,
+                          attn=attn, mlp=mlp, head=head)
+    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile)
+    profile.measure_s = time.perf_counter() - started
+    return profile
+
+
+def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callable[[], None]):
+    """Each attention and MLP sub-layer, and the head, over one token at `context` (eager)."""
+    cache = KVCache()
+    runner.forward(tokens[:context], torch.arange(context), cache)
+    step = runner.new_pass(torch.tensor([context]), cache.view(context))
+    h = runner.embed(tokens[context : context + 1].to(runner.embed_device).view(1, 1))
+    units = [lambda layer=layer, kind=kind: step.run_unit(h, layer, kind)
+             for kind in (ATTN, MLP) for layer in range(runner.num_layers)]
+    *times, head = _medians_ms([*units, lambda: runner.logits(h)], sync)
+    return times[: runner.num_layers], times[runner.num_layers :], head
+
+
+def _plain_step_ms(lm: Any, prompt: list[int], profile: CostProfile) -> float:
+    """The median whole step of a short baseline run: what plain decoding costs per token, loop included.
+
+    The run gets the profile being measured (its steps need no more than the forwards already in it).
+    """
+    from specgui import decode  # decode asks this module for profiles: imported here, when measuring
+
+    path = "on" if profile.key["fast_path"] else "off"
+    decode.run(lm, prompt[:16], "baseline", max_new_tokens=4, fast_path=path, profile=profile)  # warm-up
+    result = decode.run(lm, prompt, "baseline", max_new_tokens=12, fast_path=path, profile=profile)
+    return statistics.median(s.draft_ms + s.verify_ms + s.overhead_ms for s in result.steps)
+
+
+def _medians_ms(calls: list[Callable[[], Any]], sync: Callable[[], None], repeats: int = REPEATS) -> list[float]:
+    """Median ms of each call, timed in rounds of every call once, so that a drift in machine load touches
+    every call alike (after a warm-up round: lazy initialisations and, on the fast path, graph captures)."""
+    samples: list[list[float]] = [[] for _ in calls]
+    for round_ in range(repeats + 1):
+        for i, fn in enumerate(calls):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if round_:
+                samples[i].append((time.perf_counter() - start) * 1000)
+    return [statistics.median(x) for x in samples]
+
+
+def _median_ms(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
+    return _medians_ms([fn], sync, repeats)[0]
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """Median ms of `fn` after a warm-up: how methods measure their mechanisms for `CostProfile.mechanism`."""
+    return _median_ms(fn, _sync(device), repeats)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _key(lm: Any, fast_path: bool) -> dict[str, Any]:
+    """What a profile is valid for: the model's shape (not its weights), the device, dtype, path and versions."""
+    runner = lm.runner
+    if runner.device.type == "cuda":
+        device = torch.cuda.get_device_name(runner.device)
+    else:
+        device = f"{runner.device.type} {platform.processor() or platform.machine()} x{torch.get_num_threads()}"
+    config = runner.config.to_dict() if hasattr(runner.config, "to_dict") else {}
+    shape = {k: config.get(k) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "vocab_size")}
+    return {"model": lm.name, "shape": shape, "device": device, "dtype": str(runner.dtype).removeprefix("torch."),
+            "fast_path": fast_path, "torch": torch.__version__, "specgui": __version__}
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-60:]
+
+
+def _read(path: Path, key: dict[str, Any]) -> CostProfile | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        profile = CostProfile(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    return profile if profile.key == key else None

@@ -1,0 +1,123 @@
+"""Draft sizing from the cost model: how much a method drafts this step, or whether it drafts at all.
+
+The papers fix their draft sizes (K draft tokens, a candidate budget, a slot window) for the hardware they
+ran on. Here one policy sizes every method's drafts for the hardware in hand. A method names its knob n
+(draft tokens of a chain, trie nodes, ...) with the values it allows, and what drafting n costs: its own
+extra work and the rows its verify forward carries, priced by the measured `CostProfile`. The policy
+keeps the method's acceptance as a curve, E[accepted | n], learnt from its verdicts, and picks
+
+    n* = argmax over n of  (1 + E[accepted | n]) / cost(n)          (tokens per ms)
+
+against plain decoding's 1 / plain_ms. When no n beats plain decoding by `MARGIN`, the step drafts
+nothing (paused); a probe of the best n follows after a pause that doubles after each probe that still
+predicts a loss, and drafting resumes at once when the curve says it pays. The papers' mechanisms (what
+is drafted, how it is verified) are untouched: the policy only says how much, and whether.
+
+E[accepted | n] from verdicts: a verify of d nodes in the drafter's order (parents before children,
+favourites first) also says what a verify of only the first n <= d nodes would have accepted: the
+accepted path's nodes below n. So each step teaches the curve for every n up to what it verified, and
+for every larger n as well when the drafter had nothing more to offer (a draft exit, a short lookup).
+Values never observed keep a prior, a geometric acceptance of `PRIOR_ALPHA` per token, optimistic enough
+that the policy tries them; recent steps weigh more (`DECAY`), so the curve follows the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specgui.params import param
+
+MARGIN = 0.02  # drafting must be predicted at least this much faster than plain decoding
+PRIOR_ALPHA = 0.8  # prior per-token acceptance for sizes never observed
+PRIOR_WEIGHT = 1.0  # the prior counts as this many steps
+DECAY = 0.9  # weight of the past per new observation (an effective memory of about ten steps)
+
+
+POLICIES = ("cost", "fixed")
+
+
+@dataclass(frozen=True)
+class SizedParams:
+    """The parameter every method that sizes drafts shares (its Params dataclass derives from this)."""
+
+    policy: str = param(choices=POLICIES, help="draft size: 'cost' = sized each step by the cost model, pausing "
+                        "where no draft pays; 'fixed' = always the largest the parameters allow (the paper's)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's decision: draft `size` (0: nothing), and why."""
+
+    size: int
+    mode: str  # "draft", "probe" (drafting although a loss is predicted, to learn), "paused", "fixed"
+    predicted: float  # predicted speedup over plain decoding of the plan taken (1.0 when paused)
+    best: float  # the best predicted speedup among the sizes
+    expected: float  # expected accepted tokens of the plan taken
+
+    def to_dict(self) -> dict[str, object]:
+        return {"size": self.size, "mode": self.mode, "predicted": round(self.predicted, 3),
+                "best": round(self.best, 3), "expected": round(self.expected, 3)}
+
+
+class DraftPolicy:
+    """Chooses a draft size per step from predicted costs and the learnt acceptance curve."""
+
+    def __init__(self, sizes: Sequence[int], *, fixed: bool = False, max_pause: int = 64) -> None:
+        self.sizes = sorted(set(sizes))
+        self.fixed = fixed  # always the largest size: the papers' schedule, for comparison and tests
+        self.max_pause = max_pause
+        self.sums = dict.fromkeys(self.sizes, 0.0)
+        self.weights = dict.fromkeys(self.sizes, 0.0)
+        self.pause = 1  # length of the next pause
+        self.left = 0  # paused steps still to come
+        self.probe = False  # the step after a pause probes
+
+    def expected(self, n: int) -> float:
+        """E[accepted | a draft of size n]: the decayed mean of what verdicts showed, pulled towards the prior."""
+        prior = sum(PRIOR_ALPHA ** (i + 1) for i in range(n))
+        return (self.sums[n] + PRIOR_WEIGHT * prior) / (self.weights[n] + PRIOR_WEIGHT)
+
+    def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
+        """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
+        most the drafter can offer now (a lookup's length, the tokens left in the budget)."""
+        sizes = [n for n in self.sizes if limit is None or n <= limit]
+        if not sizes:
+            return Plan(0, "paused", 1.0, 1.0, 0.0)
+        gains = {n: (1 + self.expected(n)) * plain_ms / cost(n) for n in sizes}
+        if self.fixed:
+            return Plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), self.expected(sizes[-1]))
+        best = max(gains, key=lambda n: (gains[n], -n))  # ties go to the smaller draft
+        if gains[best] >= 1 + MARGIN or self.max_pause == 0:
+            self.pause, self.probe = 1, False
+            return Plan(best, "draft", gains[best], gains[best], self.expected(best))
+        if self.left > 0:
+            self.left -= 1
+        elif self.probe:
+            self.probe = False
+            return Plan(best, "probe", gains[best], gains[best], self.expected(best))
+        else:
+            self.left = self.pause - 1
+            self.pause = min(2 * self.pause, self.max_pause)
+            self.probe = True
+        return Plan(0, "paused", 1.0, gains[best], 0.0)
+
+    def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
+        """Fold one verdict in: `path` the accepted nodes (in draft order), `verified` the nodes drafted,
+        `exhausted` whether a larger size would have drafted nothing more."""
+        if verified == 0:
+            return
+        for n in self.sizes:
+            if n > verified and not exhausted:
+                continue
+            accepted = sum(1 for _ in _prefix_below(path, n))
+            self.sums[n] = DECAY * self.sums[n] + accepted
+            self.weights[n] = DECAY * self.weights[n] + 1.0
+
+
+def _prefix_below(path: Sequence[int], n: int):
+    """The leading nodes of `path` with an index below n (what a verify of the first n nodes accepts)."""
+    for node in path:
+        if node >= n:
+            return
+        yield node

@@ -1,0 +1,88 @@
+"""Draft sizing by the cost model: the acceptance curve, the choice, pauses and probes, and methods obeying it."""
+
+import pytest
+
+from helpers import baseline_run, tiny_model
+from specgui import decode
+from specgui.costs import CostProfile
+from specgui.methods.policy import MARGIN, PRIOR_ALPHA, DraftPolicy
+
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+
+
+def profile(forward: list[float], *, layers: int = 4, unit: float = 1.0, step_extra: float = 0.0) -> CostProfile:
+    """A hand-made profile: `forward[i]` ms for i + 1 new tokens, at one context; equal sub-layer costs."""
+    return CostProfile(key={"model": "hand-made", "device": "cpu", "dtype": "float32", "fast_path": False},
+                       sizes=list(range(1, len(forward) + 1)), contexts=[128], forward=[forward],
+                       step=forward[0] + step_extra, attn=[unit] * layers, mlp=[unit] * layers, head=0.1)
+
+
+def test_a_verdict_teaches_every_size_up_to_what_it_verified():
+    policy = DraftPolicy(range(1, 5))
+    for _ in range(40):
+        policy.learn(path=[0, 1], verified=4, exhausted=False)  # two of four accepted
+    assert policy.expected(1) == pytest.approx(1, abs=0.1)
+    assert policy.expected(2) == pytest.approx(2, abs=0.1)
+    assert policy.expected(4) == pytest.approx(2, abs=0.1)  # a longer draft would have stopped there too
+    fresh = DraftPolicy(range(1, 5))
+    fresh.learn(path=[0], verified=1, exhausted=False)
+    assert fresh.expected(3) == pytest.approx(sum(PRIOR_ALPHA ** i for i in (1, 2, 3)))  # not verified: the prior
+    fresh.learn(path=[0], verified=1, exhausted=True)  # nothing more to draft: larger sizes accept the same
+    assert fresh.expected(3) < sum(PRIOR_ALPHA ** i for i in (1, 2, 3))
+
+
+def test_tree_paths_count_the_nodes_a_smaller_verify_would_have_kept():
+    policy = DraftPolicy([2, 5])
+    for _ in range(40):
+        policy.learn(path=[1, 4], verified=6, exhausted=False)  # node 4 lies beyond a 2-node verify
+    assert policy.expected(2) == pytest.approx(1, abs=0.1) and policy.expected(5) == pytest.approx(2, abs=0.1)
+
+
+def test_the_choice_follows_what_extra_rows_cost():
+    accepting = DraftPolicy(range(1, 9))
+    for _ in range(40):
+        accepting.learn(path=list(range(6)), verified=8, exhausted=False)
+    flat = accepting.choose(lambda n: 10.0 + 0.1 * n, plain_ms=10.0)  # a GPU: extra rows nearly free
+    steep = accepting.choose(lambda n: 10.0 * (1 + n), plain_ms=10.0)  # every row costs a forward: never pays
+    assert flat.mode == "draft" and flat.size == 6
+    assert flat.predicted == pytest.approx((1 + accepting.expected(6)) * 10 / 10.6)
+    assert steep.mode == "paused" and steep.size == 0
+
+
+def test_pauses_double_between_probes_and_drafting_resumes_when_it_pays():
+    policy = DraftPolicy([1, 2], max_pause=8)
+    losing = lambda n: 30.0  # noqa: E731  (no draft can pay at 30 ms against a 10 ms plain step)
+    modes = [policy.choose(losing, 10.0).mode for _ in range(17)]
+    assert modes == ["paused", "probe", "paused", "paused", "probe", *["paused"] * 4, "probe", *["paused"] * 7]
+    assert policy.choose(lambda n: 10.0, 10.0).mode == "draft"  # cheap again: drafts at once, pauses reset
+    assert policy.pause == 1
+
+
+def test_fixed_policy_always_drafts_the_largest_size():
+    policy = DraftPolicy(range(1, 5), fixed=True)
+    plan = policy.choose(lambda n: 1000.0, plain_ms=10.0, limit=3)
+    assert (plan.size, plan.mode) == (3, "fixed") and plan.predicted < 1 - MARGIN
+
+
+def test_layer_skip_pauses_where_a_draft_token_costs_a_forward(tiny_lm):
+    """A profile where skipping saves nothing and verifying grows: CLaSp stops drafting, and loses nothing."""
+    dear = profile([10.0 * (1 + 0.5 * i) for i in range(8)], unit=0.0)
+    result = decode.run(tiny_lm, PROMPT, "clasp", max_new_tokens=40, profile=dear)
+    modes = [s.payload["plan"]["mode"] for s in result.steps if "plan" in s.payload]
+    assert modes.count("paused") > len(modes) // 2 and "draft" not in modes
+    assert all(s.predicted_ms > 0 for s in result.steps)
+    cheap = profile([10.0] * 8, unit=1.2)  # a GPU: verifying 8 costs one, a draft token skips half the layers
+    again = decode.run(tiny_lm, PROMPT, "clasp", max_new_tokens=40, profile=cheap, params={"det": 0.0})
+    assert again.token_ids == result.token_ids == baseline_run(tiny_lm, PROMPT, 40).token_ids
+    assert sum(s.drafted for s in again.steps) > sum(s.drafted for s in result.steps)
+
+
+def test_predicted_speedup_of_a_run_prices_its_steps():
+    lm = tiny_model(seed=2)
+    flat = profile([10.0] * 16)
+    result = decode.run(lm, PROMPT, "pld", max_new_tokens=30, profile=flat)
+    summary = result.summary
+    prompt_s = (result.events[1].ms + result.events[1].overhead_ms) / 1000
+    assert summary.predicted_s == pytest.approx(prompt_s + 0.010 * summary.steps, rel=0.01)  # + the lookups
+    assert summary.plain_s == pytest.approx(prompt_s + 0.010 * (summary.new_tokens - 1))
+    assert summary.predicted_speedup > 1  # pld repeats the prompt; on a flat profile every match pays
