@@ -146,7 +146,8 @@ class StaticKVCache(KVCache):
 
             example = torch.zeros(1, inputs.rows, self.runner.config.hidden_size, dtype=self.runner.dtype,
                                   device=self.runner.device)
-            self.programs[key] = Program(run, example, self.graphs, self.pool)
+            capturable = self.graphs and getattr(block, "capturable", True)
+            self.programs[key] = Program(run, example, capturable, self.pool)
         return self.programs[key]
 
 

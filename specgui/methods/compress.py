@@ -131,9 +131,15 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()
+        m = rows.shape[0]
+        pad = -m % 16 if x.is_cuda else 0  # fp8 tensor-core GEMMs want dimensions in multiples of 16
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
         scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [M, 1]
         out = torch._scaled_mm((rows / scale).to(torch.float8_e4m3fn), self.weight.t(), scale_a=scale,
-                               scale_b=self.scale, bias=self.bias, out_dtype=x.dtype)
+                               scale_b=self.scale, out_dtype=x.dtype)[:m]
+        if self.bias is not None:
+            out = out + self.bias
         return out.view(*x.shape[:-1], -1)
 
 
@@ -211,8 +217,9 @@ class CompressedMLP(nn.Module):
 class CompressedLayer(nn.Module):
     """A decoder layer's compressed copy, with the parts `Pass.run_unit` calls."""
 
-    def __init__(self, layer: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    def __init__(self, layer: nn.Module, make: Callable[[nn.Linear], nn.Module], capturable: bool = True) -> None:
         super().__init__()
+        self.capturable = capturable  # whether a CUDA graph can hold it (`specgui.fastpath.Program`)
         self.input_layernorm = FusedRMSNorm(layer.input_layernorm)
         self.self_attn = CompressedAttention(layer.self_attn, make)
         self.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
@@ -356,7 +363,8 @@ def compress(runner: Runner, backend: str) -> CompressedModel:
                 raise SpecGUIError("Fractal needs every weight in memory: offloaded layers cannot be compressed")
     make = _maker(backend)
     try:
-        layers = [CompressedLayer(layer, make) for layer in runner.layers]
+        # bitsandbytes reads values on the host inside its kernels (outlier columns, quantization state)
+        layers = [CompressedLayer(layer, make, capturable=not backend.startswith("bnb-")) for layer in runner.layers]
     except AttributeError as exc:
         raise SpecGUIError(f"Fractal cannot compress {type(runner.layers[0]).__name__}: {exc}") from None
     return CompressedModel(layers=layers, lm_head=make(runner.lm_head),
