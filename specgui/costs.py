@@ -47,9 +47,9 @@ from specgui.kvcache import KVCache
 from specgui.loading import cache_root
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
 
-SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # new tokens per measured forward
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # new tokens per measured forward: finest where CPUs turn
 CONTEXTS = (128, 1024)  # the short and the long context, in cached tokens
-REPEATS = 3  # each figure is the median of this many timed calls, after one warm-up
+REPEATS = 5  # each figure is the median of this many timed calls, after one warm-up
 _PROFILES: weakref.WeakKeyDictionary[Runner, dict[bool, CostProfile]] = weakref.WeakKeyDictionary()
 
 

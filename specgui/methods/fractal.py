@@ -236,8 +236,12 @@ class Fractal(Drafter):
         depth, w, passes = state.max_depth, self.plan.window, len(self.plan.layers) * self.pass_ms
         own = 0.0 if self.carried else state.forward_ms(1 + w) + passes
         slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
-        # a draft of n: (the own draft forward), a verify of n tokens with the next slots, and their passes
-        sizing = self.policy.choose(lambda n: own + state.verify_ms(1 + n + slots) + (passes if slots else 0.0),
+        # Sized by the steady state: while drafts are accepted, a step is a verify of n tokens with the next
+        # draft's slots and their passes (the paper's schedule adds a draft forward to every step). The own
+        # draft forward that (re)starts the chain is paid once for the steps that follow, so it is priced in
+        # this step's cost but does not decide whether drafting pays.
+        steady = 0.0 if self.params.carry else state.forward_ms(1 + w) + passes
+        sizing = self.policy.choose(lambda n: steady + state.verify_ms(1 + n + slots) + (passes if slots else 0.0),
                                     state.plain_ms(), min(depth, len(self.carried) if self.carried else w))
         if sizing.size == 0:
             self.draft_len, self.carried, self.carried_origin = 0, [], []
