@@ -108,9 +108,19 @@ def test_small_batch_matmul_is_the_same_product():
     ids = torch.randint(0, 48, (9,))
     with torch.no_grad():
         reference = lm.model(ids[None]).logits[0]
-        assert kernels.install(lm.model) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer + LM head
+        assert kernels.install(lm.model, rows=range(2, 65)) == 4 * 7 + 1  # q, k, v, o, gate, up, down, LM head
         cache = KVCache()
         got = torch.cat([lm.runner.forward(ids[:5], torch.arange(5), cache),
                          lm.runner.forward(ids[5:6], torch.arange(5, 6), cache),
                          lm.runner.forward(ids[6:], torch.arange(6, 9), cache)])
     assert torch.allclose(got, reference, atol=1e-5)
+
+
+def test_small_batch_form_is_chosen_by_measurement():
+    from specgui import kernels
+
+    lm = tiny_model(seed=6)
+    rows = kernels.faster_rows(lm.model.lm_head.weight)
+    assert rows <= set(range(2, kernels.MAX_ROWS + 1))
+    assert kernels.install(lm.model, rows=()) == 0  # nowhere faster: every module keeps the stock kernel
+    assert not hasattr(lm.model.lm_head, "transposed_rows")
