@@ -127,7 +127,8 @@ def test_sampling_with_separate_draft_forwards_keeps_target_distribution():
 
 @pytest.mark.parametrize("carry", [True, False])
 def test_payload_names_layers_origins_and_the_time_split(tiny_lm, carry):
-    params = {"carry": carry, "num_fractal": 2, "window": 2}
+    # fixed sizes: with the cost policy a noisy profile may pause drafting, and no chain is carried then
+    params = {"carry": carry, "num_fractal": 2, "window": 2, "policy": "fixed"}
     result = decode.run(tiny_lm, PROMPTS[0], "fractal", max_new_tokens=30, params=params)
     prefill = next(e for e in result.events if isinstance(e, Prefill))
     assert prefill.payload["fractal_layers"] == [0, 2]

@@ -37,7 +37,9 @@ def test_panel_values_become_typed_overrides_for_the_chosen_method_only(panel):
     values = [float(v) if isinstance(v, int) else v for v in panel.presets("SmolLM2", "cpu")]
     overrides = panel.overrides("pld", values)
     assert set(overrides) == {s["name"] for s in specs(methods.get("pld").Params)}
-    assert all(type(v) is int for v in overrides.values())  # sliders hand back floats; Params want ints
+    kinds = {s["name"]: s["type"] for s in specs(methods.get("pld").Params)}
+    # sliders hand back floats; Params want ints, choices stay strings
+    assert all(type(v) is kinds[k] for k, v in overrides.items())
     assert panel.overrides("baseline", values) == {}
     methods.params_for("pld", "SmolLM2", "cpu", overrides)  # validates
     shown = panel.show("baseline")
