@@ -132,8 +132,12 @@ def bench(
     repeats: int = 1,
     sampling: Sampling = GREEDY,
     progress: Callable[[int], None] | None = None,
+    on_run: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the suite; return the report (see `report_json` for its shape). `entries[0]` must be baseline."""
+    """Run the suite; return the report (see `report_json` for its shape). `entries[0]` must be baseline.
+
+    `progress(1)` and `on_run(label)` follow every timed run (a front end shows which entry is how far along).
+    """
     if not entries or entries[0].method != "baseline":
         raise ValueError("a bench's first entry is the baseline every speedup is measured against")
     for entry in entries:  # bad parameters fail here, before anything is timed
@@ -155,6 +159,8 @@ def bench(
                     runs[key] = run
                 if progress is not None:
                     progress(1)
+                if on_run is not None:
+                    on_run(entry.label)
     return report_json(lm, rows, entries, runs, max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
 
 
