@@ -224,6 +224,12 @@ def test_a_losing_run_names_the_term_that_lost(steps, lost):
     assert f"Lost: {lost}." in reason.sentence()
 
 
+def test_a_noise_check_explains_its_distance_from_one_as_noise():
+    reason = why(_timed("baseline", _plain(4, ms=60.0)), _timed("baseline", _plain(4)))
+    assert reason.noise_check and reason.lost is None
+    assert reason.sentence().startswith(f"The same decode timed twice: {reason.overall:.2f}× (0.83× per step).")
+
+
 def test_why_needs_two_finished_runs_with_steps():
     finished = _timed("pld", [step(1, [11], [0], 12)])
     assert why(finished, RunView()) is None

@@ -25,11 +25,11 @@ RACE_HEIGHT = 250  # fits under the panes in the stage view at 1280x720
 
 def _layout(fig: go.Figure, title: str, x: str, y: str, **extra: Any) -> go.Figure:
     fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": TITLE_FONT}}, height=300,
-        margin={"l": 60, "r": 10, "t": 70, "b": 50}, paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        title={"text": title, "x": 0.01, "font": {"size": TITLE_FONT}}, height=340,
+        margin={"l": 60, "r": 10, "t": 40, "b": 110}, paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
         font={"color": "#8a8f98", "size": FONT},
-        # legend on its own line between the title and the plot, so it never covers either
-        legend={"orientation": "h", "y": 1.0, "x": 0, "xanchor": "left", "yanchor": "bottom"}, **extra,
+        # legend under the axis title, so it never covers the chart's title or its bars
+        legend={"orientation": "h", "y": -0.28, "x": 0, "xanchor": "left", "yanchor": "top"}, **extra,
     )
     grid = {"gridcolor": "rgba(128,128,128,0.25)", "zerolinecolor": "rgba(128,128,128,0.4)"}
     fig.update_xaxes(title_text=x, **grid)
@@ -92,7 +92,7 @@ def skip_heatmap(view: RunView) -> go.Figure:
     shown = range(0, layers, 5)
     fig.update_yaxes(autorange="reversed", tickvals=[f"L{layer} attn" for layer in shown],
                      ticktext=[f"layer {layer}" for layer in shown])
-    fig.update_layout(height=420)
+    fig.update_layout(height=460)
     return fig
 
 
@@ -132,7 +132,9 @@ def race(method: RunView, baseline: RunView, span: tuple[float, int] | None = No
     if span is not None:
         fig.update_xaxes(range=[0, span[0] * 1.02])
         fig.update_yaxes(range=[0, span[1] * 1.05])
-    fig.update_layout(height=RACE_HEIGHT, margin={"t": 60, "b": 45})
+    # two short names: the legend fits beside the title, which keeps the race short enough for the stage view
+    fig.update_layout(height=RACE_HEIGHT, margin={"t": 40, "b": 45},
+                      legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"})
     return fig
 
 
@@ -148,7 +150,7 @@ def compare_chart(report: dict[str, Any]) -> go.Figure:
         fig.add_trace(go.Bar(x=categories, y=taus, name=name, marker_color=color, legendgroup=name,
                              showlegend=False), 1, 2)
     fig = _layout(fig, "", "", "", barmode="group")
-    # legend under the plots: above, it ran into the subplot titles
+    # the legend to the right: above, it ran into the subplot titles; below, into the slanted category names
     fig.update_layout(height=420, margin={"t": 40, "b": 90},
-                      legend={"orientation": "h", "y": -0.12, "x": 0, "xanchor": "left", "yanchor": "top"})
+                      legend={"orientation": "v", "y": 1, "x": 1.01, "xanchor": "left", "yanchor": "top"})
     return fig

@@ -400,11 +400,16 @@ class Why:
     forward_tokens: float
     overall: float
     lost: str | None  # on a losing run, the term that lost
+    noise_check: bool = False  # baseline against itself: any difference from 1x is the machine's noise
 
     def sentence(self) -> str:
         """E.g. '1.31× per step: tau 2.10; a step costs 1.60 plain steps (draft 0.50, verify of 6 tokens 1.10).'"""
+        if self.noise_check:
+            return (f"The same decode timed twice: {self.overall:.2f}× ({self.per_step:.2f}× per step). "
+                    f"Its distance from 1.00× is this machine's timing noise.")
         parts = [f"draft {self.draft:.2f}"] if self.draft >= 0.005 else []
-        parts.append(f"verify of {_count(self.forward_tokens)} tokens {self.verify:.2f}")
+        tokens = _count(self.forward_tokens)
+        parts.append(f"verify of {tokens} token{'' if tokens == '1' else 's'} {self.verify:.2f}")
         parts += [f"other {self.other:.2f}"] if self.other >= 0.005 else []
         text = (f"{self.per_step:.2f}× per step: tau {self.tau:.2f}; a step costs {self.cost:.2f} plain steps "
                 f"({', '.join(parts)}).")
@@ -435,8 +440,10 @@ def why(method: RunView, baseline: RunView) -> Why | None:
     cost = draft + verify + other
     tau = method.tau
     forward = sum(s.forward_tokens for s in method.steps) / n
-    lost = _lost(method, draft, verify - 1, other, forward) if tau < cost else None
-    return Why(tau, tau / cost, cost, draft, verify, other, forward, method.tokens_per_s / baseline.tokens_per_s, lost)
+    noise_check = method.method == "baseline"
+    lost = _lost(method, draft, verify - 1, other, forward) if tau < cost and not noise_check else None
+    return Why(tau, tau / cost, cost, draft, verify, other, forward, method.tokens_per_s / baseline.tokens_per_s, lost,
+               noise_check)
 
 
 def _lost(method: RunView, draft: float, extra_verify: float, other: float, forward: float) -> str:
