@@ -12,9 +12,10 @@
   generator, and the generator never waits for the page, so rendering cannot slow a method down. The
   decode goes through `hosting.gpu` (a ZeroGPU slice on Spaces, a no-op elsewhere), and the submitting
   request's context travels to `DEVICE` with it.
-- `live` runs the method, then baseline (or reuses baseline's events from `BaselineCache` for the same
-  model, prompt ids and settings) and yields `Tick`s; `replay` yields a recorded trace's events at the
-  recorded pace, so a demo runs where no model can be loaded.
+- `live` runs the method, then a fresh baseline, `repeats` times in turn (so drift in machine load falls on
+  both alike), and yields `Tick`s; baseline's events come from `BaselineCache` (same model, prompt ids and
+  settings) only when the visitor asks for it. `replay` yields recorded events at the recorded pace: the
+  race after a live run, or a trace file where no model can be loaded.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Tick:
     cached_at: float | None = None  # baseline's events came from the cache (recorded then)
     status: str = ""
     note: str = ""  # something about the whole run the final status must repeat (a cut budget)
+    repeat: int = 0  # which of the alternating method / baseline pairs these events belong to
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class RunRequest:
     params: dict[str, Any] = field(default_factory=dict)
     model: str = EMBEDDED
     prompt_text: str = ""
+    repeats: int = 1  # method / baseline pairs, run in turn
+    reuse_baseline: bool = False  # take baseline's events from the cache when it holds them
 
 
 class ModelStore:
@@ -240,14 +244,14 @@ def fit_context(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> tuple[i
     return max_new_tokens, ""
 
 
-def _ticks(worker: Worker, pane: str) -> Iterator[Tick]:
+def _ticks(worker: Worker, pane: str, repeat: int) -> Iterator[Tick]:
     with closing(worker.batches()) as batches:  # closing this generator closes the worker too
         for batch in batches:
-            yield Tick(pane, batch)
+            yield Tick(pane, batch, repeat=repeat)
 
 
 def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: threading.Event) -> Iterator[Tick]:
-    """Run the method, then baseline (or its cached events): never both at once on the device."""
+    """Run the method, then baseline, `request.repeats` times in turn: never two at once on the device."""
     if not store.holds(request.model):
         yield Tick(status=f"loading model {request.model} …")
     lm = store.get(request.model)
@@ -258,20 +262,23 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
         yield Tick(status=note, note=note)
     key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens)
     with store.busy:
-        worker = Worker(decode_source(lm, ids, request.method, request), stop)
-        yield from _ticks(worker, METHOD)
-        if request.method == "baseline":
+        for repeat in range(request.repeats):
+            worker = Worker(decode_source(lm, ids, request.method, request), stop)
+            yield from _ticks(worker, METHOD, repeat)
+            if request.method == "baseline":
+                cache.put(key, worker.events)
+            if stop.is_set():
+                return
+            # the page drew the method's last frame while this generator waited: nothing was decoding then
+            hit = cache.get(key) if request.reuse_baseline else None
+            if hit is not None:
+                yield Tick(BASELINE, hit[0], cached_at=hit[1], repeat=repeat)
+                continue
+            worker = Worker(decode_source(lm, ids, "baseline", request), stop)
+            yield from _ticks(worker, BASELINE, repeat)
             cache.put(key, worker.events)
-        if stop.is_set():
-            return
-        # the page drew the method's last frame while this generator waited: nothing was decoding then
-        hit = cache.get(key)
-        if hit is not None:
-            yield Tick(BASELINE, hit[0], cached_at=hit[1])
-            return
-        worker = Worker(decode_source(lm, ids, "baseline", request), stop)
-        yield from _ticks(worker, BASELINE)
-        cache.put(key, worker.events)
+            if stop.is_set():
+                return
 
 
 def check_trace_count(n: int) -> None:
