@@ -326,6 +326,23 @@ def test_malformed_traces_are_refused_in_one_line(app, tmp_path):
     assert "replay speed must be a number" in error_line(app, list(app.replay([str(tmp_path / "good.json")], "x")))
 
 
+def test_traces_with_impossible_timings_are_refused_or_replayed_without_a_verdict(app, tmp_path):
+    zero = (0.0, 0.0, 0.0)
+    method = run(start("pld"), prefill(ms=0.0), step(1, [11], [0], 12, ms=zero))
+    baseline = run(start("baseline"), prefill(ms=0.0), step(1, [], [], 11, ms=zero), step(2, [], [], 12, ms=zero))
+    save_trace(method, tmp_path / "m.json")
+    save_trace(baseline, tmp_path / "b.json")
+    final = shown(list(app.replay([str(tmp_path / "m.json"), str(tmp_path / "b.json")], 8.0)))
+    assert final[app.status].startswith('<div class="sg-status sg-status-info">done') and "per step" not in final[
+        app.speedup]  # no time to divide: no why line, and no crash
+    for text, message in ((dumps_trace(method).replace('"verify_ms": 0.0', '"verify_ms": NaN'), "not a number"),
+                          (dumps_trace(method).replace('"verify_ms": 0.0', '"verify_ms": -5.0'), "negative"),
+                          (dumps_trace(method).replace('"verify_ms": 0.0', '"verify_ms": 1e12'), "would take")):
+        assert message in error_line(app, replay_file(app, tmp_path, text))  # refused at once, never waited out
+        with pytest.raises(gr.Error, match=message):
+            list(app.replay_api(text, 1.0))
+
+
 def test_hostile_token_text_from_a_trace_is_shown_as_text(app, tmp_path):
     pieces = {11: HOSTILE[0], 12: HOSTILE[1], 13: "ok"}
     method = run(start("pld"), prefill(10, HOSTILE[1]), step(1, [11, 12], [0], 13, pieces=pieces))

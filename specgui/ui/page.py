@@ -398,15 +398,17 @@ class App:
             runs.check_trace_count(len(files))
             panes = runs.assign_panes([load_trace(_upload_path(f)) for f in files])
             speed = _speed(speed)
+            runs.check_replay(panes, speed)
+            pair = _pair()
+            for pane, events in panes.items():
+                pair[pane].extend(events)
+            verdict = self._final([pair], None)[0]
         except Exception as exc:
             yield {self.status: render.status(_failure(exc), "error")}
             return
-        pair = _pair()
-        for pane, events in panes.items():
-            pair[pane].extend(events)
         start = panes[METHOD][0]
         note = f"replay of a trace recorded with {start.model} on {start.device}"
-        yield {**self._reset(note), **self._final([pair], None)[0]}
+        yield {**self._reset(note), **verdict}
         yield from self._race(pair, note, speed, self.stops.fresh(_session(request)))
 
     def _live(self, ticks: Iterator[Tick], note: str, repeats: int) -> Generator[dict, None, tuple[Pair, str] | None]:
@@ -622,6 +624,7 @@ class App:
                 raise SpecGUIError("the trace must be the text of a trace file")
             events: list[Event] = loads_trace(trace)
             speed = _speed(speed)
+            runs.check_replay({METHOD: events}, speed)
         except Exception as exc:
             raise gr.Error(_failure(exc)) from None
         for tick in runs.replay({METHOD: events}, threading.Event(), speed, frame=API_FRAME_S):

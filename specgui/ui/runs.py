@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import gc
+import math
 import queue
 import threading
 import time
@@ -44,6 +45,7 @@ from specgui.text import Messages, encode_prompt
 METHOD, BASELINE = "method", "baseline"  # the two panes
 DEVICE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgui-device")  # see the module docstring
 FRAME_S = 0.5  # how often the page takes a batch of events: each frame costs CPU the decode could use
+MAX_REPLAY_S = 20 * 60  # a replay holds the model's queue slot: no trace may make it wait longer
 
 
 @dataclass
@@ -300,26 +302,45 @@ def assign_panes(traces: list[list[Event]]) -> dict[str, list[Event]]:
     return {METHOD: traces[1 - b], BASELINE: traces[b]}
 
 
+def _times(event: Event) -> tuple[float, ...]:
+    """The recorded times (ms, or s for a summary) that place an event on the replay clock."""
+    if isinstance(event, Prefill):
+        return (event.ms, event.overhead_ms)
+    if isinstance(event, Step):
+        return (event.draft_ms, event.verify_ms, event.overhead_ms)
+    return (event.wall_s,) if isinstance(event, Summary) else ()
+
+
 def _timeline(events: list[Event]) -> list[tuple[float, Event]]:
     """Each event at the decoding time (seconds) it was produced."""
     clock = 0.0
     out = []
     for event in events:
-        if isinstance(event, Prefill):
-            clock += (event.ms + event.overhead_ms) / 1000
-        elif isinstance(event, Step):
-            clock += (event.draft_ms + event.verify_ms + event.overhead_ms) / 1000
-        elif isinstance(event, Summary):
+        if isinstance(event, Summary):
             clock = max(clock, event.wall_s)
+        else:
+            clock += sum(_times(event)) / 1000
         out.append((clock, event))
     return out
+
+
+def check_replay(panes: dict[str, list[Event]], speed: float) -> None:
+    """Refuse a replay that could not keep time: a speed that is not positive, recorded times that are not
+    finite and non-negative (a trace file may hold anything, NaN included), or one longer than MAX_REPLAY_S."""
+    if not (math.isfinite(speed) and speed > 0):
+        raise SpecGUIError(f"replay speed must be positive, got {speed:g}")
+    if any(not (math.isfinite(t) and t >= 0) for events in panes.values() for e in events for t in _times(e)):
+        raise SpecGUIError("the trace holds a time that is negative or not a number")
+    longest = max((_timeline(events)[-1][0] for events in panes.values() if events), default=0.0) / speed
+    if longest > MAX_REPLAY_S:
+        raise SpecGUIError(f"this replay would take {longest / 60:.0f} min at {speed:g}×; "
+                           f"the most is {MAX_REPLAY_S // 60} min (choose a faster speed)")
 
 
 def replay(panes: dict[str, list[Event]], stop: threading.Event, speed: float = 1.0,
            frame: float = FRAME_S) -> Iterator[Tick]:
     """Yield recorded events at their recorded pace (both panes on one clock: a race), `speed` times faster."""
-    if speed <= 0:
-        raise SpecGUIError(f"replay speed must be positive, got {speed}")
+    check_replay(panes, speed)
     timeline = sorted(((t, pane, n, e) for pane, events in panes.items() for n, (t, e) in enumerate(_timeline(events))),
                     key=lambda item: (item[0], item[1], item[2]))
     begin = time.monotonic()

@@ -347,9 +347,10 @@ def compare(method: RunView, baseline: RunView) -> Comparison:
 
 
 def comparable(method: RunView, baseline: RunView) -> bool:
-    """Both runs finished (not stopped), so their timings can be set against each other."""
+    """Both runs finished (not stopped) with usable rates, so their timings can be set against each other (a
+    replayed trace may carry any numbers)."""
     return (method.done and baseline.done and "cancelled" not in (method.summary.stop, baseline.summary.stop)
-            and baseline.tokens_per_s > 0)
+            and all(math.isfinite(v.tokens_per_s) and v.tokens_per_s > 0 for v in (method, baseline)))
 
 
 @dataclass(frozen=True)
@@ -433,6 +434,8 @@ def why(method: RunView, baseline: RunView) -> Why | None:
     if not comparable(method, baseline) or not method.steps or not baseline.steps:
         return None
     plain = _step_ms(baseline) / baseline.tau  # ms per token of plain decoding: a plain step
+    if not (math.isfinite(plain) and plain > 0 and math.isfinite(_step_ms(method)) and _step_ms(method) > 0):
+        return None  # timings that cannot be divided (a hand-made trace)
     n = len(method.steps)
     draft = sum(s.draft_ms for s in method.steps) / n / plain
     verify = sum(s.verify_ms for s in method.steps) / n / plain
