@@ -103,12 +103,14 @@ def test_baseline_as_the_method_is_a_noise_check_against_a_fresh_baseline(store)
 def test_stop_ends_the_method_run_and_skips_baseline(store):
     stop, cache = threading.Event(), BaselineCache()
     ticks = []
-    for tick in runs.live(store, cache, request(max_new_tokens=800), stop):
+    # baseline: one token a forward, so 1000 tokens outlast the first 0.5 s batch even on a quiet machine
+    # (pld on this repetitive prompt finished 800 before the stop arrived)
+    for tick in runs.live(store, cache, request("baseline", max_new_tokens=1000), stop):
         ticks.append(tick)
         if tick.pane == METHOD and tick.events:
             stop.set()
     events = [e for t in ticks for e in t.events]
-    assert events[-1].stop == "cancelled" and events[-1].new_tokens < 800
+    assert events[-1].stop == "cancelled" and events[-1].new_tokens < 1000
     assert all(t.pane == METHOD for t in ticks if not t.status)
     assert not store.busy.locked()
 
@@ -162,6 +164,18 @@ def test_replay_keeps_the_recorded_pace_and_races_both_panes():
     began = time.monotonic()
     list(runs.replay(panes, threading.Event(), speed=4.0, frame=0.05))
     assert time.monotonic() - began < 0.4
+
+
+def test_a_replay_that_cannot_keep_time_is_refused_before_it_starts():
+    recorded = {METHOD: _recorded("pld", 50.0, 4)}
+    runs.check_replay(recorded, 0.25)
+    for speed in (0.0, -1.0, float("nan")):
+        with pytest.raises(SpecGUIError, match="speed must be positive"):
+            runs.check_replay(recorded, speed)
+    with pytest.raises(SpecGUIError, match="would take 21 min at 1×"):
+        runs.check_replay({METHOD: _recorded("pld", 21 * 60 * 1000 / 5, 4)}, 1.0)  # 5 forwards, 21 min
+    with pytest.raises(SpecGUIError, match="not a number"):
+        list(runs.replay({METHOD: _recorded("pld", float("inf"), 1)}, threading.Event()))
 
 
 def test_replay_stops_when_asked():

@@ -1,8 +1,9 @@
 """Events -> what the page shows, with no gradio or plotly in sight.
 
 A `RunView` folds one run's events (live or replayed) into token marks, running totals and per-step
-records; `compare` puts a method's view next to baseline's. `render` and `charts` only read these, so
-tests can check every component against hand-built events without launching anything.
+records; `compare` puts a method's view next to baseline's, `spread` summarises the speedups of repeated
+pairs, and `why` decomposes one pair's speedup into what the runs measured. `render` and `charts` only
+read these, so tests can check every component against hand-built events without launching anything.
 
 Payloads come from methods and, in a replay, from an untrusted file: `parse_internals` reads the keys
 listed in `specgui.events` defensively and drops any value of the wrong shape instead of trusting it.
