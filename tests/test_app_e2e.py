@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from gradio_client import Client
 from ui_helpers import served as serve
+from ui_helpers import shown
 
 from specgui import decode
-from specgui.events import load_trace
+from specgui.events import dumps_trace, from_json, load_trace
 from specgui.text import encode_prompt
 from specgui.ui.page import App
 
@@ -42,9 +43,9 @@ def test_generate_endpoint_streams_the_core_events_as_json(served, embedded_lm):
         client.predict(PROMPT, "nope", 8, 0.0, api_name="/generate")
 
 
-def run_page(app: App, method: str, example: str | None = None, prompt: str = PROMPT):
+def run_page(app: App, method: str, example: str | None = None, prompt: str = PROMPT, reuse: bool = False):
     values = app.panel.presets("SmolLM2-135M-Instruct", app.device)
-    return list(app.run("embedded", method, "greedy", 0.7, 1.0, None, TOKENS, example, prompt, *values))
+    return list(app.run("embedded", method, "greedy", 0.7, 1.0, None, TOKENS, example, prompt, 1, reuse, 8.0, *values))
 
 
 def test_page_run_streams_both_panes_then_the_summary(served):
@@ -55,22 +56,37 @@ def test_page_run_streams_both_panes_then_the_summary(served):
     assert len(method_frames) >= 2 and method_frames[-1].count("sg-tok") > method_frames[0].count("sg-tok")
     assert "sg-accepted" in method_frames[-1]
     assert any(app.b_tokens in u for u in updates[1:])
-    first_baseline = next(i for i, u in enumerate(updates) if app.b_stats in u and "tokens" in u[app.b_stats])
-    last_method = max(i for i, u in enumerate(updates[:-1]) if app.m_tokens in u)
-    assert last_method < first_baseline  # the method finished before baseline began
-    final = updates[-1]
-    assert "speedup" in final[app.summary] and "identical to baseline" in final[app.summary]
+    live = updates[:next(i for i, u in enumerate(updates) if app.speedup in u and "per step" in u[app.speedup])]
+    first_baseline = next(i for i, u in enumerate(live) if app.b_stats in u and "tokens" in u[app.b_stats])
+    last_method = max(i for i, u in enumerate(live) if app.m_tokens in u)
+    assert last_method < first_baseline  # the method finished before baseline began (the race comes after)
+    final = shown(updates)
+    assert "× per step: tau" in final[app.speedup] and "identical to baseline" in final[app.speedup]
     assert final[app.status].endswith("done</div>") and final[app.step]["maximum"] >= 2
     assert f"{TOKENS}</b> tokens" in final[app.m_stats] and "sg-cell" in final[app.inspector]
     traces = [load_trace(path) for path in final[app.trace_out]]
     assert [t[0].method for t in traces] == ["pld", "baseline"]
 
-    again = run_page(app, "pld", label, app.examples[label].row.preview)[-1]
-    assert "reused from cache" in again[app.b_stats] and "reused from the cache" in again[app.summary]
+    again = shown(run_page(app, "pld", label, app.examples[label].row.preview, reuse=True))
+    assert "cached run, recorded" in again[app.b_stats] and "baseline: cached run" in again[app.speedup]
 
-    replayed = list(app.replay(final[app.trace_out], 8.0))
-    assert "replay of a trace recorded with SmolLM2-135M-Instruct" in replayed[-1][app.status]
-    assert "identical to baseline" in replayed[-1][app.summary]
+    replayed = shown(list(app.replay(final[app.trace_out], 8.0)))
+    assert "replay of a trace recorded with SmolLM2-135M-Instruct" in replayed[app.status]
+    assert "identical to baseline" in replayed[app.speedup]
+
+
+def test_compare_and_replay_through_the_documented_api(served):
+    _, url = served
+    client = Client(url, verbose=False)
+    report = client.predict(methods=["pld"], category="translation", prompts_per_category=1, max_new_tokens=8,
+                            repeats=1, api_name="/compare")
+    assert list(report["methods"]) == ["baseline", "pld"] and report["prompts"] == 1
+    assert report["methods"]["pld"]["identical"] == 1
+    events = list(client.submit(PROMPT, "pld", 8, 0.0, api_name="/generate"))
+    trace = dumps_trace([from_json(e) for e in events])
+    replayed = list(client.submit(trace=trace, speed=8.0, api_name="/replay"))
+    assert [e["type"] for e in replayed] == [e["type"] for e in events]
+    assert replayed[-1]["token_ids"] == events[-1]["token_ids"]
 
 
 def test_page_reports_bad_input_in_the_status_line(served):

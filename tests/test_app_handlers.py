@@ -15,11 +15,12 @@ import gradio as gr
 import psutil
 import pytest
 from transformers import GPT2Config
-from ui_helpers import holding, prefill, run, start, step
+from ui_helpers import holding, prefill, run, shown, start, step
 
-from specgui.events import MAX_TRACE_BYTES, dumps_trace, save_trace
-from specgui.ui.page import KEEP_TRACES, App
+from specgui.events import MAX_TRACE_BYTES, Summary, dumps_trace, load_trace, save_trace
+from specgui.ui.page import KEEP_TRACES, App, trace_name
 from specgui.ui.runs import ModelStore
+from specgui.ui.view import RunView
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "abcdeabcdeabcdeabcd"  # the tiny model's letter tokenizer; repeats give prompt lookup matches
@@ -49,13 +50,19 @@ def private_deployment(app, tiny_lm, monkeypatch):
     app.store.get(MODEL)
 
 
-def run_page(app: App, prompt: str = PROMPT, *, model: str = MODEL, method: str = "pld", max_new=16,
-             mode: str = "greedy", temperature=0.7, params: dict | None = None) -> list[dict]:
+def page_run(app: App, prompt: str = PROMPT, *, model: str = MODEL, method: str = "pld", max_new=16,
+             mode: str = "greedy", temperature=0.7, params: dict | None = None, repeats=1, reuse: bool = False,
+             speed=8.0):
+    """The Run button's handler (a generator of updates) with the page's other inputs at their defaults."""
     values = app.panel.presets(MODEL, app.device)
     for i, key in enumerate(app.panel.keys):
         if key[0] == method and key[1] in (params or {}):
             values[i] = params[key[1]]
-    return list(app.run(model, method, mode, temperature, 1.0, None, max_new, None, prompt, *values))
+    return app.run(model, method, mode, temperature, 1.0, None, max_new, None, prompt, repeats, reuse, speed, *values)
+
+
+def run_page(app: App, prompt: str = PROMPT, **kw) -> list[dict]:
+    return list(page_run(app, prompt, **kw))
 
 
 def error_line(app: App, updates: list[dict]) -> str:
@@ -66,8 +73,8 @@ def error_line(app: App, updates: list[dict]) -> str:
 
 
 def assert_still_serves(app: App) -> None:
-    final = run_page(app)[-1]
-    assert final[app.status].endswith("done</div>") and "identical to baseline" in final[app.summary]
+    final = shown(run_page(app))
+    assert final[app.status].endswith("done</div>") and "identical to baseline" in final[app.speedup]
 
 
 def api_error(app: App, *args) -> str:
@@ -96,7 +103,7 @@ def test_prompt_longer_than_the_context(app):
 
 def test_a_budget_past_the_context_is_cut_and_the_page_says_so(app):
     prompt = "abcde" * 200  # 1000 tokens: 24 fit
-    final = run_page(app, prompt, max_new=1000)[-1]
+    final = shown(run_page(app, prompt, max_new=1000))
     assert "max new tokens cut to 24 to fit the model's context of 1024 tokens" in html.unescape(final[app.status])
     assert final[app.status].startswith('<div class="sg-status sg-status-info">done')
     assert final[app.views]["method"].summary.new_tokens == 24
@@ -115,7 +122,7 @@ def test_an_absurd_budget_is_capped_with_a_notice(app):
     updates = run_page(app, "abcde", max_new=10**12)  # cap 1024 fits the tiny context after 5 prompt tokens
     assert "max new tokens capped at 1024 in the app" in updates[0][app.status]
     assert "max new tokens capped at 1024 in the app" in updates[-1][app.status]
-    assert updates[-1][app.views]["method"].start.max_new_tokens == 1019  # and cut to the context
+    assert shown(updates)[app.views]["method"].start.max_new_tokens == 1019  # and cut to the context
 
 
 @pytest.mark.parametrize("params, message", [({"num_draft": 0}, "num_draft must be >= 1"),
@@ -180,11 +187,112 @@ def test_a_public_deployment_serves_only_its_models_and_uploaded_traces(app, tin
 def test_every_model_event_shares_one_queue_slot(app):
     demo = app.build().queue(default_concurrency_limit=1)
     fns = {fn.api_name: fn for fn in demo.fns.values() if fn.api_name}
-    for name in ("run", "replay", "compare", "generate"):
+    for name in ("page_run", "page_race", "page_replay", "page_compare", "generate", "compare"):
         assert (fns[name].concurrency_id, fns[name].concurrency_limit) == ("model", 1), name
-    for name in ("run", "replay"):  # the status line shows the queue position while a visitor waits
+    for name in ("page_run", "page_race", "page_replay"):  # the status line shows "queue: i/n" while waiting
         assert fns[name].show_progress != "hidden" and fns[name].show_progress_on == [app.status]
-    assert not fns["stop"].queue
+    assert not fns["page_stop"].queue
+
+
+def test_the_api_page_lists_only_generate_compare_and_replay_with_named_parameters(app):
+    info = app.build().get_api_info()
+    named = {name: [p["parameter_name"] for p in endpoint["parameters"]]
+             for name, endpoint in info["named_endpoints"].items()}
+    assert named == {"/generate": ["prompt", "method", "max_new_tokens", "temperature"],
+                     "/compare": ["methods", "category", "prompts_per_category", "max_new_tokens", "repeats"],
+                     "/replay": ["trace", "speed"]}
+    assert list(named) == ["/generate", "/compare", "/replay"] and not info["unnamed_endpoints"]
+
+
+# -- the verdict, the race, repeats ---------------------------------------------------------------------------
+
+
+def test_a_run_shows_the_verdict_then_races_both_runs_at_their_recorded_pace(app):
+    updates = run_page(app, speed=1.0)
+    statuses = [html.unescape(u[app.status]) for u in updates if app.status in u]
+    verdict = next(i for i, u in enumerate(updates) if app.speedup in u and "sg-speedup-figure" in u[app.speedup]
+                   and "×</span>" in u[app.speedup])
+    race = [i for i, u in enumerate(updates) if i > verdict and app.c_race in u]
+    assert len(race) >= 2
+    assert any(s.startswith('<div class="sg-status sg-status-busy">the race at 1×') for s in statuses)
+    assert statuses[-1].endswith("done</div>") and all("done" not in s for s in statuses[:-1])
+    replayed = [u[app.m_stats] for u in updates[verdict + 1:] if app.m_stats in u]
+    assert "waiting" in replayed[0] and "<b>16</b> tokens" in replayed[-1]  # the panes filled again
+    final = shown(updates)
+    assert "× per step: tau" in final[app.speedup] and "one run: no noise range" in final[app.speedup]
+    assert "baseline: fresh run" in final[app.speedup]
+
+
+def test_repeats_show_the_median_and_range_and_the_race_shows_the_median_pair(app):
+    final = shown(run_page(app, repeats=3))
+    assert "median of 3 runs in turn" in final[app.speedup] and "range " in final[app.speedup]
+    assert "The median run: " in final[app.speedup]
+    pair = final[app.views]
+    figure = final[app.speedup].split('sg-speedup-figure">')[1].split("×")[0]
+    assert float(figure) > 0 and pair["method"].done and pair["baseline"].done
+
+
+def test_a_cached_baseline_only_when_asked_and_labelled_with_its_age(app):
+    assert "baseline: fresh run" in shown(run_page(app))[app.speedup]
+    final = shown(run_page(app, reuse=True))
+    assert "baseline: cached run, recorded" in final[app.speedup] and " s ago" in final[app.speedup]
+    assert "cached run, recorded" in final[app.b_stats]
+
+
+def test_the_race_replays_again_on_request_and_refuses_before_a_run(app):
+    assert "nothing to replay yet" in error_line(app, list(app.race_again(None, 1.0)))
+    assert "replay speed must be positive" in error_line(app, list(app.race_again(shown(run_page(app))[app.views], 0)))
+    pair = shown(run_page(app))[app.views]
+    updates = list(app.race_again(pair, 0.5))
+    assert "the race at 0.5×" in updates[0][app.status] and updates[-1][app.status].endswith("done</div>")
+    assert app.speedup not in shown(updates)  # the verdict stays as it was
+
+
+def test_bad_repeats_and_race_speeds_are_one_line(app):
+    assert "repeats must be a whole number from 1 to 5" in error_line(app, run_page(app, repeats=9))
+    assert "repeats must be a whole number" in error_line(app, run_page(app, repeats=1.5))
+    assert "replay speed must be a number" in error_line(app, run_page(app, speed="fast"))
+
+
+def test_downloaded_traces_are_named_by_method_prompt_and_time(app):
+    final = shown(run_page(app, "Summarise: the report, in brief!"))
+    names = [Path(p).name for p in final[app.trace_out]]
+    assert [n.split("_")[:2] for n in names] == [["pld", "summarise-the-report-in-brief"],
+                                                 ["baseline", "summarise-the-report-in-brief"]]
+    assert names[0].split("_", 2)[2] == names[1].split("_", 2)[2]  # the same time stamp
+    assert [load_trace(p)[0].method for p in final[app.trace_out]] == ["pld", "baseline"]
+    noise = RunView()
+    noise.extend(load_trace(final[app.trace_out][1]))
+    assert trace_name(noise, "method", 0.0).startswith("noise-check_summarise")
+
+
+# -- the documented API ---------------------------------------------------------------------------------------
+
+
+def test_replay_api_streams_a_trace_at_its_recorded_pace(app, tmp_path):
+    events = run(start(), prefill(), step(1, [11, 12], [0], 13), step(2, [14], [0], 15))
+    streamed = list(app.replay_api(dumps_trace(events), 8.0))
+    assert [e["type"] for e in streamed] == ["start", "prefill", "step", "step", "summary"]
+    assert streamed[-1]["new_tokens"] == events[-1].new_tokens and isinstance(events[-1], Summary)
+    for bad, message in (("{", "not valid JSON"), (None, "text of a trace file")):
+        with pytest.raises(gr.Error, match=message):
+            list(app.replay_api(bad, 1.0))
+    with pytest.raises(gr.Error, match="must be positive"):
+        list(app.replay_api(dumps_trace(events), -1))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("pld", "qa", 1, 8, 1), "methods must be a list"),
+    ((["pld"], "poetry", 1, 8, 1), "no prompts in category 'poetry'"),
+    ((["pld"], "qa", 0, 8, 1), "prompts per category must be a whole number from 1 to 8"),
+    ((["pld"], "qa", 1, 8, 6), "repeats must be a whole number from 1 to 5"),
+    ((["nope"], "qa", 1, 8, 1), "unknown method"),
+])
+def test_compare_api_refuses_bad_input_in_one_line(app, args, message):
+    with pytest.raises(gr.Error, match=message):
+        app.compare_api(*args)
+    assert app.store.busy.acquire(blocking=False)
+    app.store.busy.release()
 
 
 # -- traces ---------------------------------------------------------------------------------------------------
@@ -218,6 +326,23 @@ def test_malformed_traces_are_refused_in_one_line(app, tmp_path):
     assert "replay speed must be a number" in error_line(app, list(app.replay([str(tmp_path / "good.json")], "x")))
 
 
+def test_traces_with_impossible_timings_are_refused_or_replayed_without_a_verdict(app, tmp_path):
+    zero = (0.0, 0.0, 0.0)
+    method = run(start("pld"), prefill(ms=0.0), step(1, [11], [0], 12, ms=zero))
+    baseline = run(start("baseline"), prefill(ms=0.0), step(1, [], [], 11, ms=zero), step(2, [], [], 12, ms=zero))
+    save_trace(method, tmp_path / "m.json")
+    save_trace(baseline, tmp_path / "b.json")
+    final = shown(list(app.replay([str(tmp_path / "m.json"), str(tmp_path / "b.json")], 8.0)))
+    assert final[app.status].startswith('<div class="sg-status sg-status-info">done') and "per step" not in final[
+        app.speedup]  # no time to divide: no why line, and no crash
+    for text, message in ((dumps_trace(method).replace('"verify_ms": 0.0', '"verify_ms": NaN'), "not a number"),
+                          (dumps_trace(method).replace('"verify_ms": 0.0', '"verify_ms": -5.0'), "negative"),
+                          (dumps_trace(method).replace('"verify_ms": 0.0', '"verify_ms": 1e12'), "would take")):
+        assert message in error_line(app, replay_file(app, tmp_path, text))  # refused at once, never waited out
+        with pytest.raises(gr.Error, match=message):
+            list(app.replay_api(text, 1.0))
+
+
 def test_hostile_token_text_from_a_trace_is_shown_as_text(app, tmp_path):
     pieces = {11: HOSTILE[0], 12: HOSTILE[1], 13: "ok"}
     method = run(start("pld"), prefill(10, HOSTILE[1]), step(1, [11, 12], [0], 13, pieces=pieces))
@@ -239,13 +364,14 @@ def test_hostile_token_text_from_a_trace_is_shown_as_text(app, tmp_path):
 
 
 def test_stop_ends_the_run_frees_the_slot_and_the_next_run_completes(app):
-    values = app.panel.presets(MODEL, app.device)
-    frames = app.run(MODEL, "baseline", "greedy", 0.7, 1.0, None, 1000, None, PROMPT, *values)
+    frames = page_run(app, method="baseline", max_new=1000)
+    updates = []
     for update in frames:
+        updates.append(update)
         if app.m_stats in update and "<b>0</b> tokens" not in update[app.m_stats] and "tokens" in update[app.m_stats]:
             break
     app.stop()
-    final = list(frames)[-1]
+    final = shown(updates + list(frames))
     assert final[app.status].startswith('<div class="sg-status sg-status-info">stopped')
     stopped = final[app.views]["method"].summary
     assert stopped.stop == "cancelled" and stopped.new_tokens < 1000
@@ -267,7 +393,7 @@ def test_fifty_runs_do_not_leak(app):
     for _ in range(2):
         for i in range(25):
             final = run_page(app, method="pld" if i % 2 else "baseline")[-1]
-            assert final[app.status].endswith("done</div>")
+            assert final[app.status].endswith("done</div>")  # after the race
         sizes.append(rss_mb())
     print(f"RSS growth over 50 runs: {sizes[2] - sizes[0]:.1f} MB (second 25: {sizes[2] - sizes[1]:.1f} MB)")
     assert sizes[2] - sizes[0] < RSS_BOUND_MB and sizes[2] - sizes[1] < RSS_PLATEAU_MB

@@ -36,8 +36,18 @@ def test_skip_heatmap_rows_are_sublayers_and_marks_reoptimisation():
     assert list(heat.y) == ["L0 attn", "L0 mlp", "L1 attn", "L1 mlp", "L2 attn", "L2 mlp"]
     assert [list(row) for row in heat.z] == [[1, 0], [0, 0], [0, 1], [0, 0], [0, 1], [1, 0]]
     assert list(traces(fig)["re-optimised"].x) == [1]
+    assert list(fig.layout.yaxis.ticktext) == ["layer 0"]  # one readable label every five layers
     pld = view_of([start(), prefill(), step(1, [11], [0], 12)])
     assert "pld skips no layers" in charts.skip_heatmap(pld).layout.annotations[0].text
+
+
+def test_a_paused_step_draws_an_empty_column_not_a_skip_set():
+    paused = {"skip": {"attn": [], "mlp": []}, "exit": {"reason": "paused", "confidences": [], "threshold": 0.5}}
+    view = view_of([start(layers=2), prefill(payload={"skip": {"attn": [1], "mlp": []}}),
+                    step(1, [11], [0], 12), step(2, [], [], 13, payload=paused)])
+    fig = charts.skip_heatmap(view)
+    assert [list(row) for row in fig.data[0].z] == [[0, None], [0, None], [1, None], [0, None]]
+    assert list(traces(fig)["paused (nothing drafted)"].x) == [2]
 
 
 def test_phase_times_are_the_steps_milliseconds():
@@ -53,8 +63,19 @@ def test_race_plots_tokens_against_decoding_time_for_both_runs():
     t = traces(charts.race(method, base))
     assert list(t["pld"].y) == [0, 1, 3] and list(t["baseline"].y) == [0, 1, 2, 3]
     assert t["baseline"].x[-1] == pytest.approx(0.05 + 2 * 0.0515)
-    only = view_of(run(start("baseline"), prefill(), step(1, [], [], 11)))
-    assert [tr.name for tr in charts.race(only, only).data] == ["baseline"]  # the same run is drawn once
+    noise = view_of(run(start("baseline"), prefill(), step(1, [], [], 11)))
+    assert [tr.name for tr in charts.race(noise, base).data] == ["baseline (noise check)", "baseline"]
+
+
+def test_the_race_keeps_still_axes_while_it_grows_and_text_is_large_enough_for_a_room():
+    method = view_of(run(start(), prefill(ms=49.0), step(1, [11], [0], 12)))
+    base = view_of(run(start("baseline"), prefill(ms=49.0), step(1, [], [], 11), step(2, [], [], 12)))
+    span = charts.race_span(method, base)
+    assert span == (pytest.approx(base.seconds), 3)
+    empty = charts.race(RunView(), RunView(), span)
+    assert not empty.data and empty.layout.xaxis.range[1] == pytest.approx(span[0] * 1.02)
+    fig = charts.race(method, base, span)
+    assert fig.layout.font.size >= 16 and fig.layout.title.font.size >= 16
 
 
 def test_compare_chart_has_speedup_and_tau_per_method_and_category():

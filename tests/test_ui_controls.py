@@ -68,3 +68,24 @@ def test_examples_keep_their_conversation_until_edited():
     edited = multi.row.preview + " Please be brief."
     assert controls.prompt_for(edited, multi) == edited
     assert controls.prompt_for("hello", None) == "hello"
+
+
+def test_presets_name_a_registered_method_and_a_suite_prompt_each():
+    presets = controls.presets(controls.examples())
+    assert len({p.method for p in presets}) == len(presets)  # one per method
+    assert set(p.method for p in presets) == set(methods.names())
+    assert all(p.max_new_tokens <= controls.max_new_tokens_cap() and p.name for p in presets)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "must hold a list of presets"),
+    ("- {name: x, method: nope, prompt: qa-01, max_new_tokens: 8}", "unknown method 'nope'"),
+    ("- {name: x, method: pld, prompt: qa-99, max_new_tokens: 8}", "no suite prompt with id 'qa-99'"),
+    ("- {name: x, method: pld, prompt: qa-01, max_new_tokens: 0}", "max_new_tokens must be an integer"),
+    ("- {name: x, method: pld}", "needs text fields name, method and prompt"),
+])
+def test_a_bad_preset_file_is_refused_in_one_line(tmp_path, text, message):
+    path = tmp_path / "demos.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecGUIError, match=message):
+        controls.presets(controls.examples(), path)

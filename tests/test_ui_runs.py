@@ -59,7 +59,7 @@ def test_decoding_runs_on_the_one_device_thread(tiny_lm):
     assert seen == {runs.DEVICE.submit(threading.get_ident).result()}
 
 
-def test_live_runs_the_method_then_baseline_and_reuses_a_cached_baseline(store):
+def test_live_runs_the_method_then_a_fresh_baseline_and_reuses_one_only_when_asked(store):
     cache = BaselineCache()
     ticks = list(runs.live(store, cache, request(), threading.Event()))
     panes = [t.pane for t in ticks if not t.status]
@@ -68,31 +68,49 @@ def test_live_runs_the_method_then_baseline_and_reuses_a_cached_baseline(store):
     first_baseline = [e for t in ticks if t.pane == BASELINE for e in t.events]
     assert isinstance(first_baseline[-1], Summary) and all(t.cached_at is None for t in ticks)
 
-    again = list(runs.live(store, cache, request(), threading.Event()))
+    fresh = list(runs.live(store, cache, request(), threading.Event()))
+    assert all(t.cached_at is None for t in fresh) and len([t for t in fresh if t.pane == BASELINE]) >= 1
+    assert [e for t in fresh if t.pane == BASELINE for e in t.events] != first_baseline  # decoded again
+
+    again = list(runs.live(store, cache, request(reuse_baseline=True), threading.Event()))
     baseline = [t for t in again if t.pane == BASELINE]
-    assert len(baseline) == 1 and baseline[0].cached_at is not None and baseline[0].events == first_baseline
+    assert len(baseline) == 1 and baseline[0].cached_at is not None and isinstance(baseline[0].events[-1], Summary)
     assert store.loads == ["tiny-llama"]  # loaded once, shared
 
-    other = list(runs.live(store, cache, request(max_new_tokens=20), threading.Event()))
+    other = list(runs.live(store, cache, request(max_new_tokens=20, reuse_baseline=True), threading.Event()))
     assert all(t.cached_at is None for t in other if t.pane == BASELINE)  # other settings: a fresh baseline
 
 
-def test_baseline_as_the_method_fills_the_cache_itself(store):
+def test_repeats_alternate_method_and_baseline(store):
+    ticks = [t for t in runs.live(store, BaselineCache(), request(repeats=3), threading.Event()) if not t.status]
+    order = [(t.repeat, t.pane) for t in ticks]
+    assert [key for i, key in enumerate(order) if i == 0 or key != order[i - 1]] == [
+        (0, METHOD), (0, BASELINE), (1, METHOD), (1, BASELINE), (2, METHOD), (2, BASELINE)]
+    for repeat in range(3):
+        for pane in (METHOD, BASELINE):
+            events = [e for t in ticks if (t.repeat, t.pane) == (repeat, pane) for e in t.events]
+            assert isinstance(events[-1], Summary) and events[-1].stop == "length"
+
+
+def test_baseline_as_the_method_is_a_noise_check_against_a_fresh_baseline(store):
     ticks = list(runs.live(store, BaselineCache(), request("baseline"), threading.Event()))
     method = [e for t in ticks if t.pane == METHOD for e in t.events]
-    baseline = [t for t in ticks if t.pane == BASELINE]
-    assert len(baseline) == 1 and baseline[0].cached_at is not None and baseline[0].events == method
+    baseline = [e for t in ticks if t.pane == BASELINE for e in t.events]
+    assert all(t.cached_at is None for t in ticks) and baseline != method
+    assert shape(baseline) == shape(method)  # the same decode, timed twice
 
 
 def test_stop_ends_the_method_run_and_skips_baseline(store):
     stop, cache = threading.Event(), BaselineCache()
     ticks = []
-    for tick in runs.live(store, cache, request(max_new_tokens=800), stop):
+    # baseline: one token a forward, so 1000 tokens outlast the first 0.5 s batch even on a quiet machine
+    # (pld on this repetitive prompt finished 800 before the stop arrived)
+    for tick in runs.live(store, cache, request("baseline", max_new_tokens=1000), stop):
         ticks.append(tick)
         if tick.pane == METHOD and tick.events:
             stop.set()
     events = [e for t in ticks for e in t.events]
-    assert events[-1].stop == "cancelled" and events[-1].new_tokens < 800
+    assert events[-1].stop == "cancelled" and events[-1].new_tokens < 1000
     assert all(t.pane == METHOD for t in ticks if not t.status)
     assert not store.busy.locked()
 
@@ -146,6 +164,18 @@ def test_replay_keeps_the_recorded_pace_and_races_both_panes():
     began = time.monotonic()
     list(runs.replay(panes, threading.Event(), speed=4.0, frame=0.05))
     assert time.monotonic() - began < 0.4
+
+
+def test_a_replay_that_cannot_keep_time_is_refused_before_it_starts():
+    recorded = {METHOD: _recorded("pld", 50.0, 4)}
+    runs.check_replay(recorded, 0.25)
+    for speed in (0.0, -1.0, float("nan")):
+        with pytest.raises(SpecGUIError, match="speed must be positive"):
+            runs.check_replay(recorded, speed)
+    with pytest.raises(SpecGUIError, match="would take 21 min at 1×"):
+        runs.check_replay({METHOD: _recorded("pld", 21 * 60 * 1000 / 5, 4)}, 1.0)  # 5 forwards, 21 min
+    with pytest.raises(SpecGUIError, match="not a number"):
+        list(runs.replay({METHOD: _recorded("pld", float("inf"), 1)}, threading.Event()))
 
 
 def test_replay_stops_when_asked():

@@ -11,8 +11,11 @@ from specgui.ui.view import (
     REJECTED,
     RunView,
     compare,
+    median_index,
     node_verdicts,
     parse_internals,
+    spread,
+    why,
 )
 
 
@@ -161,3 +164,86 @@ def test_identity_does_not_apply_to_sampling_other_prompts_or_stopped_runs():
     stopped = view_of(run(start(), prefill(), step(1, [], [], 11), stop="cancelled"))
     greedy_base = view_of(run(start("baseline"), prefill(), step(1, [], [], 11)))
     assert compare(stopped, greedy_base).note == "a run was stopped before the end"
+
+
+def test_a_paused_step_is_marked_paused_and_skips_nothing():
+    paused = parse_internals({"skip": {"attn": [], "mlp": []}, "draft_len": 0,
+                              "exit": {"threshold": 0.8, "confidences": [], "reason": "paused"}},
+                             {"skip": {"attn": [1, 2], "mlp": []}})  # ADMG states its set once, in Prefill
+    assert paused.paused and paused.skip_attn == frozenset() and paused.skip_mlp == frozenset()
+    assert not parse_internals({"exit": {"reason": "threshold"}}).paused
+
+
+def test_unknown_payload_floats_are_rounded_for_the_inspector():
+    internals = parse_internals({"gain": 0.8333333333, "ratios": [0.123456, 2.0], "nested": {"x": 1 / 3}})
+    assert dict(internals.other) == {"gain": "0.833", "ratios": "[0.123, 2.0]", "nested": '{"x": 0.333}'}
+
+
+def _timed(method: str, steps: list, prefill_ms: float = 20.0) -> RunView:
+    return view_of(run(start(method), prefill(ms=prefill_ms), *steps))
+
+
+def _plain(n: int, ms: float = 50.0) -> list:
+    return [step(i + 1, [], [], 100 + i, ms=(0.0, ms, 0.0)) for i in range(n)]
+
+
+def test_why_decomposes_the_speedup_exactly_into_tau_and_step_cost():
+    # each step: 2 drafts accepted + bonus = 3 tokens; draft 25 ms, verify 55 ms, other 0.5 ms; plain step 50 ms
+    method = _timed("pld", [step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)) for i in range(4)])
+    baseline = _timed("baseline", _plain(12))
+    reason = why(method, baseline)
+    assert reason.tau == pytest.approx(3.0)
+    assert (reason.draft, reason.verify, reason.other) == pytest.approx((0.5, 1.1, 0.01))
+    assert reason.cost == pytest.approx(1.61) and reason.forward_tokens == 3
+    assert reason.per_step == pytest.approx(reason.tau / reason.cost)
+    # over the steps alone the tokens/s ratio is exactly tau / cost
+    method_rate = sum(len(s.emitted) for s in method.steps) / sum(s.draft_ms + s.verify_ms + s.overhead_ms
+                                                                   for s in method.steps)
+    assert reason.per_step == pytest.approx(method_rate / (1 / 50.0))
+    assert reason.overall == pytest.approx(method.tokens_per_s / baseline.tokens_per_s)
+    assert reason.lost is None
+    assert reason.sentence().startswith("1.86× per step: tau 3.00; a step costs 1.61 plain steps (draft 0.50, "
+                                        "verify of 3 tokens 1.10, other 0.01).")
+    assert f"Counting the prompt forward: {reason.overall:.2f}× overall." in reason.sentence()
+
+
+@pytest.mark.parametrize("steps, lost", [
+    # the draft costs most of a plain step and buys little more than the verifier's own token
+    ([step(i + 1, [11, 12], [0], 13, ms=(60.0, 52.0, 0.0)) for i in range(4)], "draft too costly"),
+    # a cheap draft of 8 tokens, half accepted, but the verify over 9 tokens costs more than 5 plain steps
+    ([step(i + 1, list(range(20, 28)), list(range(4)), 30, ms=(0.1, 260.0, 0.0)) for i in range(2)],
+     "verify of 9 tokens too costly"),
+    # a cheap draft and verify, but the target keeps rejecting the draft
+    ([step(i + 1, [11, 12, 13, 14], [], 15, ms=(0.1, 60.0, 0.0)) for i in range(4)],
+     "acceptance too low (0.00 of 4.00 drafted tokens accepted per drafting step)"),
+    ([step(i + 1, [], [], 15, ms=(0.0, 55.0, 0.0)) for i in range(4)], "nothing was drafted"),
+])
+def test_a_losing_run_names_the_term_that_lost(steps, lost):
+    reason = why(_timed("clasp", steps), _timed("baseline", _plain(12)))
+    assert reason.per_step < 1 and reason.lost == lost
+    assert f"Lost: {lost}." in reason.sentence()
+
+
+def test_a_noise_check_explains_its_distance_from_one_as_noise():
+    reason = why(_timed("baseline", _plain(4, ms=60.0)), _timed("baseline", _plain(4)))
+    assert reason.noise_check and reason.lost is None
+    assert reason.sentence().startswith(f"The same decode timed twice: {reason.overall:.2f}× (0.83× per step).")
+
+
+def test_why_needs_two_finished_runs_with_steps():
+    finished = _timed("pld", [step(1, [11], [0], 12)])
+    assert why(finished, RunView()) is None
+    assert why(view_of(run(start(), prefill(), step(1, [], [], 11))[:-1]), _timed("baseline", _plain(2))) is None
+    stopped = view_of(run(start("baseline"), prefill(), *_plain(2), stop="cancelled"))
+    assert why(finished, stopped) is None
+
+
+def test_spread_and_the_pair_nearest_the_median():
+    assert spread([]) is None
+    one = spread([1.4])
+    assert (one.median, one.low, one.high, one.n) == (1.4, 1.4, 1.4, 1)
+    odd = spread([1.5, 1.2, 1.4])
+    assert (odd.median, odd.low, odd.high, odd.n) == (1.4, 1.2, 1.5, 3)
+    assert spread([1.0, 1.2, 1.4, 2.0]).median == pytest.approx(1.3)
+    assert median_index([1.5, 1.2, 1.4]) == 2
+    assert median_index([1.0, 1.2, 1.4, 2.0]) == 1  # even N: the nearer of the middle two, the first of ties

@@ -60,6 +60,11 @@ def run(*events: Event, stop: str = "length") -> list[Event]:
     return [*events, summarize(steps, first, wall_s=wall, stop=stop, token_ids=tokens, text=text)]
 
 
+def shown(updates: list[dict]) -> dict:
+    """What each component shows once a handler's stream of updates has ended (later updates win)."""
+    return {component: value for update in updates for component, value in update.items()}
+
+
 def holding(lm: LoadedModel) -> ModelStore:
     """A model store that already holds `lm` (an in-process model no loader could load by name); any other
     name goes through the real config check and loader."""

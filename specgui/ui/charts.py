@@ -1,8 +1,9 @@
 """Views -> plotly figures: tokens per step, the skip heatmap, time per phase, the race, the Compare chart.
 
 Figures use transparent backgrounds and mid-grey text so one figure reads in the light and the dark
-theme, and the token-kind colours of the text panes (accepted green, verifier blue / orange). `gr.Plot`
-resends a whole figure on every update, so the page redraws these every few seconds, not every step.
+theme, and the token-kind colours of the text panes (accepted green, verifier blue / orange). Text is 16 px
+or more, to be read from the back of a room. `gr.Plot` resends a whole figure on every update, so a live
+run redraws these every few seconds, not every step (the race replay, which decodes nothing, every frame).
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ COLORS = {"accepted": "#2e9e5b", "bonus": "#3b7dd8", "correction": "#e08a1e", "d
           "draft": "#8e6bd8", "verify": "#3b7dd8", "overhead": "#9aa0a6", "skip": "#d64545", "method": "#2e9e5b",
           "baseline": "#9aa0a6"}
 SERIES = ("#2e9e5b", "#3b7dd8", "#e08a1e", "#8e6bd8", "#d64545", "#1fa5a5", "#c2409a", "#7f7f7f")
+FONT, TITLE_FONT = 16, 18  # px: readable on a projector
+RACE_HEIGHT = 250  # fits under the panes in the stage view at 1280x720
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str, **extra: Any) -> go.Figure:
     fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": 15}}, height=300, margin={"l": 50, "r": 10, "t": 40, "b": 40},
-        paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", font={"color": "#8a8f98", "size": 13},
-        legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"}, **extra,
+        title={"text": title, "x": 0.01, "font": {"size": TITLE_FONT}}, height=340,
+        margin={"l": 60, "r": 10, "t": 40, "b": 110}, paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        font={"color": "#8a8f98", "size": FONT},
+        # legend under the axis title, so it never covers the chart's title or its bars
+        legend={"orientation": "h", "y": -0.28, "x": 0, "xanchor": "left", "yanchor": "top"}, **extra,
     )
     grid = {"gridcolor": "rgba(128,128,128,0.25)", "zerolinecolor": "rgba(128,128,128,0.4)"}
     fig.update_xaxes(title_text=x, **grid)
@@ -61,7 +66,7 @@ def accepted_per_step(view: RunView) -> go.Figure:
 
 
 def skip_heatmap(view: RunView) -> go.Figure:
-    """Sub-layers x steps: which sub-layers each draft skipped; re-optimisation steps marked on top."""
+    """Sub-layers x steps: which sub-layers each draft skipped; paused and re-optimisation steps marked on top."""
     title = "Skipped sub-layers per step"
     layers = view.num_layers
     internals = [view.internals(i) for i in range(len(view.steps))]
@@ -69,19 +74,25 @@ def skip_heatmap(view: RunView) -> go.Figure:
         return _empty(title, f"{view.method or 'this method'} skips no layers")
     x = [s.index for s in view.steps]
     labels = [f"L{layer} {kind}" for layer in range(layers) for kind in ("attn", "mlp")]
-    z = [[int(layer in (i.skip_attn if kind == "attn" else i.skip_mlp)) for i in internals]
+    # a paused step drafted nothing: its column stays empty rather than showing a skip set that did not run
+    z = [[None if i.paused else int(layer in (i.skip_attn if kind == "attn" else i.skip_mlp)) for i in internals]
          for layer in range(layers) for kind in ("attn", "mlp")]
     fig = go.Figure(go.Heatmap(x=x, y=labels, z=z, zmin=0, zmax=1, showscale=False, xgap=1, ygap=0,
                                colorscale=[[0, "rgba(128,128,128,0.12)"], [1, COLORS["skip"]]],
                                hovertemplate="step %{x}<br>%{y}: %{z}<extra>1 = skipped</extra>"))
-    reopt = [s for s, i in zip(x, internals) if i.reoptimized]
-    if reopt:
-        fig.add_trace(go.Scatter(x=reopt, y=[labels[0]] * len(reopt), mode="markers", name="re-optimised",
-                                 marker={"symbol": "triangle-down", "size": 10, "color": COLORS["draft"]},
-                                 cliponaxis=False))
+    for name, steps, symbol, color in (
+            ("re-optimised", [s for s, i in zip(x, internals) if i.reoptimized], "triangle-down", COLORS["draft"]),
+            ("paused (nothing drafted)", [s for s, i in zip(x, internals) if i.paused], "line-ew-open",
+             COLORS["drafted"])):
+        if steps:
+            fig.add_trace(go.Scatter(x=steps, y=[labels[0]] * len(steps), mode="markers", name=name, cliponaxis=False,
+                                     marker={"symbol": symbol, "size": 12, "color": color, "line": {"width": 2}}))
     fig = _layout(fig, title, "step", "")
-    fig.update_yaxes(autorange="reversed", showticklabels=True, tickfont={"size": 9}, nticks=16)
-    fig.update_layout(height=360)
+    # one label every five layers, at a size a room can read (sixty sub-layer rows would be a blur)
+    shown = range(0, layers, 5)
+    fig.update_yaxes(autorange="reversed", tickvals=[f"L{layer} attn" for layer in shown],
+                     ticktext=[f"layer {layer}" for layer in shown])
+    fig.update_layout(height=460)
     return fig
 
 
@@ -96,22 +107,35 @@ def phase_times(view: RunView) -> go.Figure:
     return _layout(fig, title, "step", "ms", barmode="stack", bargap=0.15)
 
 
-def race(method: RunView, baseline: RunView) -> go.Figure:
+def race_span(method: RunView, baseline: RunView) -> tuple[float, int]:
+    """The race's axes (seconds, tokens): fixed while it replays, so the lines grow across a still frame."""
+    return (max(method.seconds, baseline.seconds, 0.1), max(method.new_tokens, baseline.new_tokens, 1))
+
+
+def race(method: RunView, baseline: RunView, span: tuple[float, int] | None = None) -> go.Figure:
     """Tokens generated against decoding time, method and baseline on one clock each."""
     title = "Race: tokens vs decoding time"
     fig = go.Figure()
-    runs = [(method, method.method or "method", COLORS["method"])]
-    if method.method != "baseline":  # else the baseline pane holds the same run again
-        runs.append((baseline, "baseline", COLORS["baseline"]))
-    for view, name, color in runs:
+    name = method.method or "method"
+    runs = [(method, f"{name} (noise check)" if name == "baseline" else name, COLORS["method"]),
+            (baseline, "baseline", COLORS["baseline"])]
+    for view, label, color in runs:
         if view.start is None:
             continue
         seconds, counts = zip(*view.race)
-        fig.add_trace(go.Scatter(x=seconds, y=counts, name=name, mode="lines", line={"shape": "hv", "width": 3,
-                                                                                   "color": color}))
-    if not fig.data:
-        return _empty(title, "no run yet")
-    return _layout(fig, title, "seconds", "tokens")
+        fig.add_trace(go.Scatter(x=seconds, y=counts, name=label, mode="lines", line={"shape": "hv", "width": 4,
+                                                                                    "color": color}))
+    if not fig.data and span is None:
+        fig = _empty(title, "no run yet")
+    else:
+        fig = _layout(fig, title, "seconds", "tokens")
+    if span is not None:
+        fig.update_xaxes(range=[0, span[0] * 1.02])
+        fig.update_yaxes(range=[0, span[1] * 1.05])
+    # two short names: the legend fits beside the title, which keeps the race short enough for the stage view
+    fig.update_layout(height=RACE_HEIGHT, margin={"t": 40, "b": 45},
+                      legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"})
+    return fig
 
 
 def compare_chart(report: dict[str, Any]) -> go.Figure:
@@ -126,5 +150,7 @@ def compare_chart(report: dict[str, Any]) -> go.Figure:
         fig.add_trace(go.Bar(x=categories, y=taus, name=name, marker_color=color, legendgroup=name,
                              showlegend=False), 1, 2)
     fig = _layout(fig, "", "", "", barmode="group")
-    fig.update_layout(height=380, margin={"t": 60})
+    # the legend to the right: above, it ran into the subplot titles; below, into the slanted category names
+    fig.update_layout(height=420, margin={"t": 40, "b": 90},
+                      legend={"orientation": "v", "y": 1, "x": 1.01, "xanchor": "left", "yanchor": "top"})
     return fig

@@ -1,7 +1,7 @@
 """The Compare tab: the built-in suite (or one category) across chosen methods, via `specgui.bench`.
 
 The numbers are exactly the CLI's `bench` (same warm-up, rotation and medians), so the tab and the
-README's tables agree. Stop works through bench's progress callback: it raises `Stopped` between runs.
+README's tables agree. Stop works through bench's `progress` callback: it raises `Stopped` between runs.
 """
 
 from __future__ import annotations
@@ -28,27 +28,33 @@ def pick_rows(rows: list[PromptRow], category: str, per_category: int) -> list[P
     return select(rows, None if category == ALL else [category], per_category)
 
 
+Progress = Callable[[dict[str, int], int], None]  # (runs done per method, runs each method will make)
+
+
 @hosting.gpu(duration=300)  # a suite is many runs: one GPU slice for all of them
 def run_suite(lm: LoadedModel, rows: list[PromptRow], names: list[str], *, max_new_tokens: int, repeats: int,
-              sampling: Sampling, progress: Callable[[int, int], None], stop: threading.Event) -> dict[str, Any]:
-    """Bench `names` (baseline added) on `rows`; `progress(done, total)` after every run."""
+              sampling: Sampling, progress: Progress, stop: threading.Event) -> dict[str, Any]:
+    """Bench `names` (baseline added) on `rows`; `progress(done per method, runs per method)` after every run."""
     chosen = bench.entries_for(names)
-    total = len(rows) * len(chosen) * repeats
-    done = 0
+    done = dict.fromkeys((e.label for e in chosen), 0)
 
-    def step(entry: bench.Entry, row: PromptRow) -> None:
-        nonlocal done
-        done += 1
-        progress(done, total)
+    def ran(entry: bench.Entry, row: PromptRow) -> None:
+        done[entry.label] += 1
+        progress(dict(done), len(rows) * repeats)
         if stop.is_set():
             raise Stopped
 
     settings = bench.Settings(max_new_tokens=max_new_tokens, repeats=repeats, sampling=sampling)
-    return bench.bench(lm, rows, chosen, settings, progress=step)
+    return bench.bench(lm, rows, chosen, settings, progress=ran)
+
+
+def progress_text(done: dict[str, int], per_method: int) -> str:
+    """'baseline 3/7 · pld 2/7 · …': how far each method is (methods take turns, so they move together)."""
+    return " · ".join(f"{label} {n}/{per_method}" for label, n in done.items())
 
 
 def table(report: dict[str, Any]) -> list[list[Any]]:
-    """One row per (method, category), then the overall row of each method."""
+    """One row per (method, category), then each method's overall row (left out for one category: the same row)."""
 
     def row(name: str, category: str, agg: dict[str, Any]) -> list[Any]:
         tau = round(agg["mean_accepted"], 2) if agg["mean_accepted"] is not None else None
@@ -57,5 +63,6 @@ def table(report: dict[str, Any]) -> list[list[Any]]:
         return [name, category, round(agg["tokens_per_s"], 2), round(agg["speedup"], 2), tau, acceptance, identical]
 
     rows = [row(name, cat, per[name]) for cat, per in report["categories"].items() for name in per]
-    rows += [row(name, "overall", agg) for name, agg in report["methods"].items()]
+    if len(report["categories"]) > 1:
+        rows += [row(name, "overall", agg) for name, agg in report["methods"].items()]
     return rows

@@ -1,5 +1,6 @@
 """Input widgets built from metadata: a parameter panel per method, decoding settings, example prompts.
 
+Presets (`configs/demos.yaml`) set method, prompt and budget in one choice, for a stage demo.
 Each method's panel comes from `specgui.params.specs(cls.Params)` (type, range, choices, help) with
 values from `methods.params_for` (the `configs/` preset for the model and device), so a method that
 lands with a new `Params` gets its panel without a line of UI code. All panels exist at once and only
@@ -11,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
+import yaml
 
 from specgui import methods
-from specgui.config import decoding_defaults
+from specgui.config import CONFIG_DIR, decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.params import specs
 from specgui.prompts import PromptRow, load_prompts
@@ -164,3 +167,38 @@ def prompt_for(text: str, example: Example | None) -> str | Messages:
     if example is not None and example.row.messages is not None and text.strip() == example.row.preview.strip():
         return example.row.messages
     return text
+
+
+DEMOS_FILE = CONFIG_DIR / "demos.yaml"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One click's worth of settings: a method on a suite prompt where it shows something, with a budget."""
+
+    name: str
+    method: str
+    example: Example
+    max_new_tokens: int
+
+
+def presets(examples: list[Example], path: Path = DEMOS_FILE) -> list[Preset]:
+    """The presets in `configs/demos.yaml`, each checked against the methods, the suite and the token cap."""
+    by_id = {e.row.id: e for e in examples}
+    rows = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if not isinstance(rows, list) or not rows:
+        raise SpecGUIError(f"{path} must hold a list of presets")
+    out = []
+    for n, row in enumerate(rows, start=1):
+        where = f"{path.name}, preset {n}"
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("name", "method", "prompt")):
+            raise SpecGUIError(f"{where}: needs text fields name, method and prompt")
+        if row["method"] not in methods.names():
+            raise SpecGUIError(f"{where}: unknown method {row['method']!r}")
+        if row["prompt"] not in by_id:
+            raise SpecGUIError(f"{where}: no suite prompt with id {row['prompt']!r}")
+        tokens = row.get("max_new_tokens")
+        if not isinstance(tokens, int) or not 1 <= tokens <= max_new_tokens_cap():
+            raise SpecGUIError(f"{where}: max_new_tokens must be an integer from 1 to {max_new_tokens_cap()}")
+        out.append(Preset(row["name"], row["method"], by_id[row["prompt"]], tokens))
+    return out

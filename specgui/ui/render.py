@@ -9,6 +9,7 @@ carries meaning and the stylesheet carries looks.
 from __future__ import annotations
 
 import html
+import re
 import time
 
 from specgui.ui.view import (
@@ -20,13 +21,18 @@ from specgui.ui.view import (
     Comparison,
     Internals,
     RunView,
+    Spread,
     TokenText,
+    Why,
     node_verdicts,
 )
 
 TINTS = 8  # fractal-layer tints defined in app.css (sg-o0 .. sg-o7)
 MAX_TREE_NODES = 96  # larger drafts are summarised in the inspector
 PHASES = ("draft", "verify", "overhead")
+# Chat and end-of-text special tokens (ChatML, Llama 3, Qwen, Phi: <|name|>; Llama 2: </s>): shown as a small
+# stop mark, not as raw markup. Matched on text because a replayed trace carries no tokenizer.
+SPECIAL = re.compile(r"<\|[A-Za-z0-9_.:-]{1,40}\|>|</s>")
 
 
 def esc(text: object) -> str:
@@ -38,14 +44,25 @@ def status(message: str, kind: str = "info") -> str:
     return f'<div class="sg-status sg-status-{esc(kind)}">{esc(message)}</div>'
 
 
-def legend(fractal_layers: list[int] | tuple[int, ...] = ()) -> str:
-    """The colour key for token kinds (and fractal tints when a run has them)."""
+def legend(fractal_layers: list[int] | tuple[int, ...] = (), num_layers: int = 0) -> str:
+    """The colour key for token kinds (and fractal tints when a run has them, with the layer numbering)."""
     chips = [f'<span class="sg-tok sg-{kind}" title="{esc(KIND_HELP[kind])}">{esc(label)}</span>'
              for kind, label in ((ACCEPTED, "accepted draft"), (BONUS, "verifier: bonus"),
                                  (CORRECTION, "verifier: correction"), (REJECTED, "rejected draft"))]
-    chips += [f'<span class="sg-tok sg-origin {_tint(layer, fractal_layers)}">drafted at layer {layer}</span>'
+    if fractal_layers:
+        chips.append(f'<span class="sg-muted">fractal draft from{esc(_numbering(num_layers))}:</span>')
+    chips += [f'<span class="sg-tok sg-origin {_tint(layer, fractal_layers)}">{esc(_origin(layer, num_layers))}</span>'
               for layer in fractal_layers]
     return f'<div class="sg-legend">{"".join(chips)}</div>'
+
+
+def _numbering(num_layers: int) -> str:
+    return f" (layers 0–{num_layers - 1})" if num_layers > 0 else ""
+
+
+def _origin(layer: int, num_layers: int) -> str:
+    """Where a fractal draft token settled: a compressed pass before a layer, or the full model's own head."""
+    return "the full model's head" if num_layers and layer >= num_layers else f"the pass before layer {layer}"
 
 
 def _tint(layer: int | None, layers: list[int] | tuple[int, ...]) -> str:
@@ -54,25 +71,48 @@ def _tint(layer: int | None, layers: list[int] | tuple[int, ...]) -> str:
     return f"sg-tinted sg-o{list(layers).index(layer) % TINTS}"
 
 
-def _token(text: str, classes: str, title: str) -> str:
-    return f'<span class="sg-tok {classes}" title="{esc(title)}">{esc(text)}</span>'
+def _token(markup: str, classes: str, title: str) -> str:
+    """A token chip around already escaped `markup` (see `text`)."""
+    return f'<span class="sg-tok {classes}" title="{esc(title)}">{markup}</span>'
+
+
+def text(piece: str) -> str:
+    """Escaped token text with every special token as a small stop mark (its name in the tooltip)."""
+    out, end = [], 0
+    for found in SPECIAL.finditer(piece):
+        out.append(esc(piece[end : found.start()]))
+        out.append(f'<span class="sg-special" title="special token {esc(found.group())}"></span>')
+        end = found.end()
+    return "".join(out) + esc(piece[end:])
+
+
+def inline(piece: str) -> str:
+    """A draft token's text on one line: a newline inside a rejected or inspected draft would break the layout."""
+    return piece.replace("\r", "").replace("\n", "↵")
 
 
 def tokens(view: RunView, *, plain: bool = False) -> str:
     """The streamed output. `plain` (baseline's pane) shows text only; otherwise every token is coloured."""
     if plain:
-        return f'<div class="sg-tokens sg-plain">{esc("".join(view.pieces))}</div>'
+        return f'<div class="sg-tokens sg-plain">{text("".join(view.pieces))}</div>'
     parts = []
     for mark in view.marks:
         where = "prompt forward" if mark.step == 0 else f"step {mark.step}"
-        origin = f", drafted at fractal layer {mark.origin}" if mark.origin is not None else ""
+        origin = (f", drafted by {_origin(mark.origin, view.num_layers)}" if mark.origin is not None else "")
         classes = f"sg-{mark.kind} {_tint(mark.origin, view.fractal_layers)}".strip()
-        parts.append(_token(mark.text, classes, f"{where}: {KIND_HELP[mark.kind]}{origin}"))
+        shown = inline(mark.text) if mark.kind == REJECTED else mark.text
+        parts.append(_token(text(shown), classes, f"{where}: {KIND_HELP[mark.kind]}{origin}"))
     return f'<div class="sg-tokens">{"".join(parts)}</div>'
 
 
-def _clock(stamp: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(stamp))
+def age(stamp: float, now: float | None = None) -> str:
+    """How long ago a cached run was recorded, in words a room can read ("40 s ago", "3 min ago")."""
+    seconds = max(0.0, (time.time() if now is None else now) - stamp)
+    if seconds < 90:
+        return f"{seconds:.0f} s ago"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
 
 
 def pane_stats(view: RunView, *, running: bool) -> str:
@@ -80,16 +120,17 @@ def pane_stats(view: RunView, *, running: bool) -> str:
     if view.start is None:
         return '<div class="sg-stats">waiting</div>'
     state = "running" if running and not view.done else (f"stop: {view.summary.stop}" if view.done else "")
-    cached = (f' <span class="sg-badge sg-cached">reused from cache, recorded {_clock(view.cached_at)}</span>'
+    cached = (f' <span class="sg-badge sg-cached">cached run, recorded {esc(age(view.cached_at))}</span>'
               if view.cached_at is not None else "")
-    return (f'<div class="sg-stats"><b>{view.new_tokens}</b> tokens · <b>{view.seconds:.2f}</b> s · '
+    return (f'<div class="sg-stats"><b>{view.new_tokens}</b> token{"" if view.new_tokens == 1 else "s"} · '
+            f'<b>{view.seconds:.2f}</b> s · '
             f'<b>{view.tokens_per_s:.1f}</b> tok/s · {esc(state)}{cached}</div>')
 
 
 def pane_title(view: RunView, fallback: str) -> str:
     if view.start is None:
         return f'<div class="sg-pane-title">{esc(fallback)}</div>'
-    params = ", ".join(f"{k}={v}" for k, v in view.start.params.items())
+    params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in view.start.params.items())
     return (f'<div class="sg-pane-title">{esc(view.start.method)}'
             f'<span class="sg-params">{esc(params)}</span></div>')
 
@@ -120,8 +161,13 @@ def layer_strip(num_layers: int, internals: Internals) -> str:
     axis = "".join(f"<span>{layer if layer % 5 == 0 else ''}</span>" for layer in range(num_layers))
     rows.append(f'<span class="sg-strip-label">layer</span>{axis}')
     skipped = len(internals.skip_attn) + len(internals.skip_mlp)
-    caption = (f"draft skipped {skipped} of {2 * num_layers} sub-layers" if internals.has_skip
-               else f"{num_layers} layers, nothing skipped")
+    if internals.paused:
+        caption = "drafting paused this step (the back-off measured no gain): nothing drafted, nothing skipped"
+    elif internals.has_skip:
+        caption = f"draft skipped {skipped} of {2 * num_layers} sub-layers"
+    else:
+        caption = "nothing skipped"
+    caption += esc(_numbering(num_layers))
     if internals.reoptimized:
         score = f" (DP score {internals.dp_score:.3f})" if internals.dp_score is not None else ""
         caption += f' · <span class="sg-badge sg-reopt">skip set re-optimised this step{esc(score)}</span>'
@@ -143,9 +189,9 @@ def _draft_tree(view: RunView, index: int, internals: Internals) -> str:
     for n in nodes[:MAX_TREE_NODES]:
         conf = (f" · confidence {internals.confidences[n.node]:.2f}"
                 if n.node < len(internals.confidences) else "")
-        origin = f" · fractal layer {n.origin}" if n.origin is not None else ""
+        origin = f" · from {_origin(n.origin, view.num_layers)}" if n.origin is not None else ""
         classes = f"sg-{n.verdict} {_tint(n.origin, view.fractal_layers)}"
-        chip = _token(n.text, classes, f"node {n.node}: {n.verdict}{origin}{conf}")
+        chip = _token(text(inline(n.text)), classes, f"node {n.node}: {n.verdict}{origin}{conf}")
         chips.append(chip if chain else f'<div class="sg-node" style="--depth: {n.depth}">{chip}</div>')
     if len(nodes) > MAX_TREE_NODES:
         chips.append(f'<span class="sg-more">… {len(nodes) - MAX_TREE_NODES} more nodes</span>')
@@ -153,7 +199,7 @@ def _draft_tree(view: RunView, index: int, internals: Internals) -> str:
         chips.append('<span class="sg-muted">no draft this step </span>')
     if len(step.emitted) > step.accepted:
         kind = CORRECTION if step.corrected else BONUS
-        chips.append(_token(step.emitted_pieces[-1], f"sg-{kind}", KIND_HELP[kind]))
+        chips.append(_token(text(inline(step.emitted_pieces[-1])), f"sg-{kind}", KIND_HELP[kind]))
     return f'<div class="sg-draft {"sg-chain" if chain else "sg-tree"}">{"".join(chips)}</div>'
 
 
@@ -181,7 +227,7 @@ def _selfdraft(internals: Internals, view: RunView, index: int, token_text: Toke
 def _facts(internals: Internals) -> str:
     facts = [(f"cache {name}", str(size)) for name, size in internals.cache_sizes]
     if internals.exit_reason or internals.exit_threshold is not None:
-        threshold = f" at threshold {internals.exit_threshold:g}" if internals.exit_threshold is not None else ""
+        threshold = f" at threshold {internals.exit_threshold:.3g}" if internals.exit_threshold is not None else ""
         facts.append(("draft exit", f"{internals.exit_reason or '?'}{threshold}"))
     if internals.draft_len is not None:
         facts.append(("draft length limit", str(internals.draft_len)))
@@ -213,28 +259,58 @@ def step_detail(view: RunView, index: int, token_text: TokenText | None = None) 
             f'{_facts(internals)}</div>')
 
 
-def summary(method: RunView, baseline: RunView, comparison: Comparison) -> str:
-    """The verdict after both runs: speedup, tau, acceptance, identical badge or first divergence."""
-    speed = f"{comparison.speedup:.2f}×" if comparison.speedup is not None else "–"
-    cards = [("speedup", speed), ("tau", f"{method.tau:.2f}"), ("acceptance", f"{method.acceptance_rate:.0%}"),
-             ("steps", str(len(method.steps)))]
-    body = "".join(f'<div class="sg-card"><div class="sg-card-value">{esc(v)}</div>'
-                   f'<div class="sg-card-label">{esc(k)}</div></div>' for k, v in cards)
+def verdict(comparison: Comparison) -> str:
+    """Identical to baseline, the first divergence (with baseline's margin there), or why identity does not apply."""
     if comparison.identical:
-        verdict = '<span class="sg-badge sg-identical">✓ identical to baseline</span>'
-    elif comparison.divergence is not None:
+        return '<span class="sg-badge sg-identical">✓ identical to baseline</span>'
+    if comparison.divergence is not None:
         d = comparison.divergence
         margin = f", baseline top-2 margin {d.baseline_margin:.3g}" if d.baseline_margin is not None else ""
         kind = "a numerical near-tie" if d.near_tie else "not a near-tie"
-        verdict = (f'<span class="sg-badge sg-diverged">✗ first divergence at token {d.position}</span> '
-                   f'baseline <code>{esc(repr(comparison.texts[1]))}</code> vs method '
-                   f'<code>{esc(repr(comparison.texts[0]))}</code>{esc(margin)} ({kind})')
+        return (f'<span class="sg-badge sg-diverged">✗ first divergence at token {d.position}</span> '
+                f'baseline <code>{esc(repr(comparison.texts[1]))}</code> vs method '
+                f'<code>{esc(repr(comparison.texts[0]))}</code>{esc(margin)} ({kind})')
+    return f'<span class="sg-badge sg-na">{esc(comparison.note)}</span>'
+
+
+READY = "Press Run: the method and plain decoding take turns on the same prompt, then race side by side."
+
+
+def speedup_pending(message: str = READY) -> str:
+    """The headline's place before there is a speedup to show."""
+    return (f'<div class="sg-speedup sg-speedup-pending"><div class="sg-speedup-head">'
+            f'<span class="sg-speedup-figure">–</span></div><div class="sg-why">{esc(message)}</div></div>')
+
+
+def speedup(method: RunView, baseline: RunView, middle: Spread | None, reason: Why | None,
+            comparison: Comparison) -> str:
+    """The headline: the speedup (median over the repeats) large, its range, the why line, identity, baseline's age."""
+    if middle is None:
+        return speedup_pending(comparison.note or "no speedup: a run did not finish")
+    what = "noise check: baseline vs itself" if method.method == "baseline" else f"{method.method} vs baseline"
+    if middle.n > 1:
+        noise = (f'<span class="sg-speedup-range">range {middle.low:.2f}–{middle.high:.2f}×</span>'
+                 f'<span class="sg-speedup-label">{esc(what)} · median of {middle.n} runs in turn</span>')
     else:
-        verdict = f'<span class="sg-badge sg-na">{esc(comparison.note)}</span>'
-    cached = (f" Baseline reused from the cache (same model, prompt and settings, recorded "
-              f"{_clock(baseline.cached_at)}); its timing is from that run." if baseline.cached_at is not None else "")
+        noise = f'<span class="sg-speedup-label">{esc(what)} · one run: no noise range (set Repeats)</span>'
+    fresh = (f"baseline: cached run, recorded {age(baseline.cached_at)}" if baseline.cached_at is not None
+             else "baseline: fresh run")
+    why_line = esc(("The median run: " if middle.n > 1 else "") + reason.sentence()) if reason else ""
+    tone = "sg-win" if middle.median >= 1 else "sg-lose"
+    return (f'<div class="sg-speedup {tone}"><div class="sg-speedup-head">'
+            f'<span class="sg-speedup-figure">{middle.median:.2f}×</span>{noise}</div>'
+            f'<div class="sg-why">{why_line}</div>'
+            f'<div class="sg-speedup-foot">{verdict(comparison)} <span class="sg-muted">{esc(fresh)}</span></div>'
+            '</div>')
+
+
+def summary(method: RunView, baseline: RunView) -> str:
+    """Totals after both runs: tau, acceptance, steps, and each run's tokens, time and tokens/s."""
+    cards = [("tau", f"{method.tau:.2f}"), ("acceptance", f"{method.acceptance_rate:.0%}"),
+             ("steps", str(len(method.steps)))]
+    body = "".join(f'<div class="sg-card"><div class="sg-card-value">{esc(v)}</div>'
+                   f'<div class="sg-card-label">{esc(k)}</div></div>' for k, v in cards)
     line = (f"{esc(method.method)}: {method.new_tokens} tokens in {method.seconds:.2f} s "
             f"({method.tokens_per_s:.1f} tok/s) · baseline: {baseline.new_tokens} tokens in "
-            f"{baseline.seconds:.2f} s ({baseline.tokens_per_s:.1f} tok/s).{esc(cached)}")
-    return (f'<div class="sg-summary"><div class="sg-cards">{body}</div><div class="sg-verdict">{verdict}</div>'
-            f'<div class="sg-muted">{line}</div></div>')
+            f"{baseline.seconds:.2f} s ({baseline.tokens_per_s:.1f} tok/s).")
+    return f'<div class="sg-summary"><div class="sg-cards">{body}</div><div class="sg-muted">{line}</div></div>'

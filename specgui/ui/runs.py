@@ -12,9 +12,10 @@
   generator, and the generator never waits for the page, so rendering cannot slow a method down. The
   decode goes through `hosting.gpu` (a ZeroGPU slice on Spaces, a no-op elsewhere), and the submitting
   request's context travels to `DEVICE` with it.
-- `live` runs the method, then baseline (or reuses baseline's events from `BaselineCache` for the same
-  model, prompt ids and settings) and yields `Tick`s; `replay` yields a recorded trace's events at the
-  recorded pace, so a demo runs where no model can be loaded.
+- `live` runs the method, then a fresh baseline, `repeats` times in turn (so drift in machine load falls on
+  both alike), and yields `Tick`s; baseline's events come from `BaselineCache` (same model, prompt ids and
+  settings) only when the visitor asks for it. `replay` yields recorded events at the recorded pace: the
+  race after a live run, or a trace file where no model can be loaded.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import gc
+import math
 import queue
 import threading
 import time
@@ -43,6 +45,7 @@ from specgui.text import Messages, encode_prompt
 METHOD, BASELINE = "method", "baseline"  # the two panes
 DEVICE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgui-device")  # see the module docstring
 FRAME_S = 0.5  # how often the page takes a batch of events: each frame costs CPU the decode could use
+MAX_REPLAY_S = 20 * 60  # a replay holds the model's queue slot: no trace may make it wait longer
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Tick:
     cached_at: float | None = None  # baseline's events came from the cache (recorded then)
     status: str = ""
     note: str = ""  # something about the whole run the final status must repeat (a cut budget)
+    repeat: int = 0  # which of the alternating method / baseline pairs these events belong to
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class RunRequest:
     params: dict[str, Any] = field(default_factory=dict)
     model: str = EMBEDDED
     prompt_text: str = ""
+    repeats: int = 1  # method / baseline pairs, run in turn
+    reuse_baseline: bool = False  # take baseline's events from the cache when it holds them
 
 
 class ModelStore:
@@ -240,14 +246,14 @@ def fit_context(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> tuple[i
     return max_new_tokens, ""
 
 
-def _ticks(worker: Worker, pane: str) -> Iterator[Tick]:
+def _ticks(worker: Worker, pane: str, repeat: int) -> Iterator[Tick]:
     with closing(worker.batches()) as batches:  # closing this generator closes the worker too
         for batch in batches:
-            yield Tick(pane, batch)
+            yield Tick(pane, batch, repeat=repeat)
 
 
 def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: threading.Event) -> Iterator[Tick]:
-    """Run the method, then baseline (or its cached events): never both at once on the device."""
+    """Run the method, then baseline, `request.repeats` times in turn: never two at once on the device."""
     if not store.holds(request.model):
         yield Tick(status=f"loading model {request.model} …")
     lm = store.get(request.model)
@@ -258,20 +264,23 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
         yield Tick(status=note, note=note)
     key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens)
     with store.busy:
-        worker = Worker(decode_source(lm, ids, request.method, request), stop)
-        yield from _ticks(worker, METHOD)
-        if request.method == "baseline":
+        for repeat in range(request.repeats):
+            worker = Worker(decode_source(lm, ids, request.method, request), stop)
+            yield from _ticks(worker, METHOD, repeat)
+            if request.method == "baseline":
+                cache.put(key, worker.events)
+            if stop.is_set():
+                return
+            # the page drew the method's last frame while this generator waited: nothing was decoding then
+            hit = cache.get(key) if request.reuse_baseline else None
+            if hit is not None:
+                yield Tick(BASELINE, hit[0], cached_at=hit[1], repeat=repeat)
+                continue
+            worker = Worker(decode_source(lm, ids, "baseline", request), stop)
+            yield from _ticks(worker, BASELINE, repeat)
             cache.put(key, worker.events)
-        if stop.is_set():
-            return
-        # the page drew the method's last frame while this generator waited: nothing was decoding then
-        hit = cache.get(key)
-        if hit is not None:
-            yield Tick(BASELINE, hit[0], cached_at=hit[1])
-            return
-        worker = Worker(decode_source(lm, ids, "baseline", request), stop)
-        yield from _ticks(worker, BASELINE)
-        cache.put(key, worker.events)
+            if stop.is_set():
+                return
 
 
 def check_trace_count(n: int) -> None:
@@ -293,26 +302,45 @@ def assign_panes(traces: list[list[Event]]) -> dict[str, list[Event]]:
     return {METHOD: traces[1 - b], BASELINE: traces[b]}
 
 
+def _times(event: Event) -> tuple[float, ...]:
+    """The recorded times (ms, or s for a summary) that place an event on the replay clock."""
+    if isinstance(event, Prefill):
+        return (event.ms, event.overhead_ms)
+    if isinstance(event, Step):
+        return (event.draft_ms, event.verify_ms, event.overhead_ms)
+    return (event.wall_s,) if isinstance(event, Summary) else ()
+
+
 def _timeline(events: list[Event]) -> list[tuple[float, Event]]:
     """Each event at the decoding time (seconds) it was produced."""
     clock = 0.0
     out = []
     for event in events:
-        if isinstance(event, Prefill):
-            clock += (event.ms + event.overhead_ms) / 1000
-        elif isinstance(event, Step):
-            clock += (event.draft_ms + event.verify_ms + event.overhead_ms) / 1000
-        elif isinstance(event, Summary):
+        if isinstance(event, Summary):
             clock = max(clock, event.wall_s)
+        else:
+            clock += sum(_times(event)) / 1000
         out.append((clock, event))
     return out
+
+
+def check_replay(panes: dict[str, list[Event]], speed: float) -> None:
+    """Refuse a replay that could not keep time: a speed that is not positive, recorded times that are not
+    finite and non-negative (a trace file may hold anything, NaN included), or one longer than MAX_REPLAY_S."""
+    if not (math.isfinite(speed) and speed > 0):
+        raise SpecGUIError(f"replay speed must be positive, got {speed:g}")
+    if any(not (math.isfinite(t) and t >= 0) for events in panes.values() for e in events for t in _times(e)):
+        raise SpecGUIError("the trace holds a time that is negative or not a number")
+    longest = max((_timeline(events)[-1][0] for events in panes.values() if events), default=0.0) / speed
+    if longest > MAX_REPLAY_S:
+        raise SpecGUIError(f"this replay would take {longest / 60:.0f} min at {speed:g}×; "
+                           f"the most is {MAX_REPLAY_S // 60} min (choose a faster speed)")
 
 
 def replay(panes: dict[str, list[Event]], stop: threading.Event, speed: float = 1.0,
            frame: float = FRAME_S) -> Iterator[Tick]:
     """Yield recorded events at their recorded pace (both panes on one clock: a race), `speed` times faster."""
-    if speed <= 0:
-        raise SpecGUIError(f"replay speed must be positive, got {speed}")
+    check_replay(panes, speed)
     timeline = sorted(((t, pane, n, e) for pane, events in panes.items() for n, (t, e) in enumerate(_timeline(events))),
                     key=lambda item: (item[0], item[1], item[2]))
     begin = time.monotonic()

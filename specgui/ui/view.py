@@ -1,8 +1,9 @@
 """Events -> what the page shows, with no gradio or plotly in sight.
 
 A `RunView` folds one run's events (live or replayed) into token marks, running totals and per-step
-records; `compare` puts a method's view next to baseline's. `render` and `charts` only read these, so
-tests can check every component against hand-built events without launching anything.
+records; `compare` puts a method's view next to baseline's, `spread` summarises the speedups of repeated
+pairs, and `why` decomposes one pair's speedup into what the runs measured. `render` and `charts` only
+read these, so tests can check every component against hand-built events without launching anything.
 
 Payloads come from methods and, in a replay, from an untrusted file: `parse_internals` reads the keys
 listed in `specgui.events` defensively and drops any value of the wrong shape instead of trusting it.
@@ -73,13 +74,18 @@ class Internals:
     candidates: tuple[Candidate, ...] = ()
     hit: tuple[int, int] | None = None  # (candidate index, tokens accepted from it)
     cache_sizes: tuple[tuple[str, int], ...] = ()
-    exit_reason: str | None = None
+    exit_reason: str | None = None  # "paused": the back-off skipped drafting this step
     exit_threshold: float | None = None
     confidences: tuple[float, ...] = ()
     draft_len: int | None = None
     ngram: int | None = None
     timings: tuple[tuple[str, float], ...] = ()  # every "*_ms" key
     other: tuple[tuple[str, str], ...] = ()  # unknown keys, as short JSON
+
+    @property
+    def paused(self) -> bool:
+        """Drafting was paused this step (layer skip's back-off): nothing was drafted, nothing skipped."""
+        return self.exit_reason == "paused"
 
 
 def _is_int(v: Any) -> bool:
@@ -104,8 +110,19 @@ def _candidate(value: Any) -> Candidate | None:
     return Candidate(_ints(value.get("nodes")), value["source"], _ints(value.get("key")))
 
 
+def _rounded(value: Any) -> Any:
+    """Floats to 3 significant digits, inside lists and dicts too (0.8333333 reads as 0.833)."""
+    if isinstance(value, float):
+        return float(f"{value:.3g}") if math.isfinite(value) else value
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 def _short_json(value: Any, limit: int = 160) -> str:
-    text = json.dumps(value, default=str)
+    text = json.dumps(_rounded(value), default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -328,3 +345,120 @@ def compare(method: RunView, baseline: RunView) -> Comparison:
         return view.pieces[found.position] if found.position < len(view.pieces) else None
 
     return Comparison(speedup, False, found, "", (text(method), text(baseline)))
+
+
+def comparable(method: RunView, baseline: RunView) -> bool:
+    """Both runs finished (not stopped) with usable rates, so their timings can be set against each other (a
+    replayed trace may carry any numbers)."""
+    return (method.done and baseline.done and "cancelled" not in (method.summary.stop, baseline.summary.stop)
+            and all(math.isfinite(v.tokens_per_s) and v.tokens_per_s > 0 for v in (method, baseline)))
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Speedups of N alternating method / baseline pairs: their median and range (N = 1: no range)."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+
+def spread(speedups: list[float]) -> Spread | None:
+    if not speedups:
+        return None
+    ordered = sorted(speedups)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return Spread(median, ordered[0], ordered[-1], len(ordered))
+
+
+def median_index(speedups: list[float]) -> int:
+    """The pair to show and replay: the one whose speedup is nearest the median (the first of ties)."""
+    middle = spread(speedups)
+    if middle is None:
+        raise ValueError("no speedups")
+    return min(range(len(speedups)), key=lambda i: abs(speedups[i] - middle.median))
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why the speedup is what it is, from what the two runs measured (nothing is modelled or predicted).
+
+    Over the decode steps the speedup is exactly `tau / cost` (times baseline's tokens per step, 1 for plain
+    decoding): tokens per method step over the method's time per step counted in plain steps (baseline's
+    time per step). The cost splits into the draft, the verify forward (over `forward_tokens` tokens on
+    average) and `other` (acceptance, cache cropping, the method's bookkeeping). `overall` is the measured
+    tokens/s ratio, which also counts each run's prompt forward. A predicted speedup (the cost model) can
+    join these fields; `why` is the one place that builds them.
+    """
+
+    tau: float
+    per_step: float
+    cost: float
+    draft: float
+    verify: float
+    other: float
+    forward_tokens: float
+    overall: float
+    lost: str | None  # on a losing run, the term that lost
+    noise_check: bool = False  # baseline against itself: any difference from 1x is the machine's noise
+
+    def sentence(self) -> str:
+        """E.g. '1.31× per step: tau 2.10; a step costs 1.60 plain steps (draft 0.50, verify of 6 tokens 1.10).'"""
+        if self.noise_check:
+            return (f"The same decode timed twice: {self.overall:.2f}× ({self.per_step:.2f}× per step). "
+                    f"Its distance from 1.00× is this machine's timing noise.")
+        parts = [f"draft {self.draft:.2f}"] if self.draft >= 0.005 else []
+        tokens = _count(self.forward_tokens)
+        parts.append(f"verify of {tokens} token{'' if tokens == '1' else 's'} {self.verify:.2f}")
+        parts += [f"other {self.other:.2f}"] if self.other >= 0.005 else []
+        text = (f"{self.per_step:.2f}× per step: tau {self.tau:.2f}; a step costs {self.cost:.2f} plain steps "
+                f"({', '.join(parts)}).")
+        if self.lost:
+            text += f" Lost: {self.lost}."
+        if f"{self.overall:.2f}" != f"{self.per_step:.2f}":
+            text += f" Counting the prompt forward: {self.overall:.2f}× overall."
+        return text
+
+
+def _count(x: float) -> str:
+    return f"{round(x)}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
+
+
+def _step_ms(view: RunView) -> float:
+    return sum(s.draft_ms + s.verify_ms + s.overhead_ms for s in view.steps) / len(view.steps)
+
+
+def why(method: RunView, baseline: RunView) -> Why | None:
+    """The measured decomposition of the method's speedup over baseline (None until both runs have steps)."""
+    if not comparable(method, baseline) or not method.steps or not baseline.steps:
+        return None
+    plain = _step_ms(baseline) / baseline.tau  # ms per token of plain decoding: a plain step
+    if not (math.isfinite(plain) and plain > 0 and math.isfinite(_step_ms(method)) and _step_ms(method) > 0):
+        return None  # timings that cannot be divided (a hand-made trace)
+    n = len(method.steps)
+    draft = sum(s.draft_ms for s in method.steps) / n / plain
+    verify = sum(s.verify_ms for s in method.steps) / n / plain
+    other = sum(s.overhead_ms for s in method.steps) / n / plain
+    cost = draft + verify + other
+    tau = method.tau
+    forward = sum(s.forward_tokens for s in method.steps) / n
+    noise_check = method.method == "baseline"
+    lost = _lost(method, draft, verify - 1, other, forward) if tau < cost and not noise_check else None
+    return Why(tau, tau / cost, cost, draft, verify, other, forward, method.tokens_per_s / baseline.tokens_per_s, lost,
+               noise_check)
+
+
+def _lost(method: RunView, draft: float, extra_verify: float, other: float, forward: float) -> str:
+    """The term that lost: acceptance when less than half the draft depth was accepted, else the largest cost."""
+    drafting = [s for s in method.steps if s.drafted]
+    if not drafting:
+        return "nothing was drafted"
+    depth = sum(max(n.depth for n in node_verdicts(s)) for s in drafting) / len(drafting)
+    accepted = sum(s.accepted for s in drafting) / len(drafting)
+    if accepted < depth / 2:
+        return f"acceptance too low ({accepted:.2f} of {depth:.2f} drafted tokens accepted per drafting step)"
+    costs = {"draft too costly": draft, f"verify of {_count(forward)} tokens too costly": extra_verify,
+             "other work too costly": other}
+    return max(costs, key=lambda k: costs[k])
