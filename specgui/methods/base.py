@@ -41,6 +41,7 @@ class DecodeState:
     generator: torch.Generator | None
     max_new_tokens: int
     step: int = 0
+    tokenizer: Any = None  # the model's tokenizer, for drafters that prepare from text of their own (dv)
 
     @property
     def committed(self) -> int:

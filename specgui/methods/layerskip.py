@@ -19,7 +19,7 @@ Sampling stays lossless because every draft token carries the distribution it wa
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,14 +39,22 @@ class Chain:
     probs: torch.Tensor | None  # [N, V]
     confidences: list[float]  # top-1 probability of the draft distribution at each token
     reason: str  # "threshold", "max" (draft length limit), "budget" (end of the generation) or "paused"
+    alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: runners-up (token, prob)
 
 
-def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, max_draft: int, threshold: float) -> Chain:
-    """Draft up to `limit` tokens with `plan`'s sub-layers skipped; leaves the cache as it found it."""
+def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, max_draft: int, threshold: float,
+                alternatives: int = 0) -> Chain:
+    """Draft up to `limit` tokens with `plan`'s sub-layers skipped; leaves the cache as it found it.
+
+    With `alternatives` > 0, each position also records that many runner-up tokens of its draft
+    distribution with their probabilities, most likely first (SWIFT's dynamic verification turns them into
+    sibling candidates).
+    """
     runner, start, sampling = state.runner, state.committed, state.sampling
     tokens: list[int] = []
     dists: list[torch.Tensor] = []
     confidences: list[float] = []
+    others: list[list[tuple[int, float]]] = []
     token, reason = state.pending, ("max" if limit >= max_draft else "budget")
     for i in range(limit):
         logits = runner.forward(torch.tensor([token]), torch.tensor([start + i]), state.cache, skip=plan)[0]
@@ -59,11 +67,15 @@ def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, max_draft: int, 
             dists.append(probs)
         tokens.append(token)
         confidences.append(float(probs.max()))
+        if alternatives > 0:
+            top = probs.topk(min(alternatives + 1, probs.numel()))
+            ranked = zip(top.indices.tolist(), top.values.tolist())
+            others.append([(t, p) for t, p in ranked if t != token][:alternatives])
         if confidences[-1] < threshold:
             reason = "threshold"
             break
     state.cache.crop(start)  # the draft's own keys go; the verify forward writes the real ones
-    return Chain(tokens, torch.stack(dists) if dists else None, confidences, reason)
+    return Chain(tokens, torch.stack(dists) if dists else None, confidences, reason, others)
 
 
 class ExitThreshold:
@@ -145,12 +157,27 @@ class BackOff:
 
 @dataclass(frozen=True)
 class LayerSkipParams:
-    """Drafting tunables both layer-skip methods share (each method adds its own)."""
+    """Drafting tunables every layer-skip method shares (each method adds its own)."""
 
     max_draft: int = param(low=1, high=32, help="most draft tokens per step (K)")
     backoff_window: int = param(low=1, high=64, help="drafted steps over which the back-off measures the gain")
     max_pause: int = param(low=0, high=256, help="longest pause (steps without drafting) when drafting loses "
                                                  "time; 0 never pauses")
+
+
+@dataclass(frozen=True)
+class AdaptiveExitParams(LayerSkipParams):
+    """Draft & Verify's adaptive draft-exit (section 3.4), for the methods that use it (`dv`, `admg`)."""
+
+    exit_threshold: float = param(low=0.0, high=1.0, help="initial draft-exit threshold on the draft's top-1 "
+                                                          "probability")
+    target_acceptance: float = param(low=0.0, high=1.0, help="acceptance rate the adaptive exit steers towards")
+    exit_step: float = param(low=0.0, high=1.0, help="how far the exit threshold moves per step (before smoothing)")
+
+
+def adaptive_exit(params: AdaptiveExitParams) -> ExitThreshold:
+    """The adaptive exit threshold that `params` describe."""
+    return ExitThreshold(params.exit_threshold, target=params.target_acceptance, step=params.exit_step)
 
 
 class LayerSkipDrafter(Drafter):
@@ -173,12 +200,22 @@ class LayerSkipDrafter(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         limit = min(self.params.max_draft, state.max_depth)
         drafting = self.backoff.drafting() and limit > 0
-        self.chain = draft_chain(state, self.plan, limit, self.params.max_draft, self.exit.value) if drafting else None
+        self.chain = (draft_chain(state, self.plan, limit, self.params.max_draft, self.exit.value, self.alternatives)
+                      if drafting else None)
         shown = self.chain or Chain([], None, [], "paused" if limit > 0 else "budget")
         skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
+        fields = self.proposal(shown)
+        confidences = fields.pop("confidences", shown.confidences)
         info = {"skip": skipped.to_dict(), "draft_len": limit if drafting else 0,
-                "exit": {"threshold": self.exit.value, "confidences": shown.confidences, "reason": shown.reason}}
-        return Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info)
+                "exit": {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}}
+        return Draft(**fields, observer=self.observer(drafting), info=info)
+
+    alternatives = 0  # runner-up tokens `draft_chain` records per position (for `proposal`)
+
+    def proposal(self, chain: Chain) -> dict[str, Any]:
+        """The `Draft` fields (tokens, parents, probs) built from the chain, plus "confidences" (the draft
+        probability of each node, for the inspector) when they differ from the chain's: the chain itself here."""
+        return {"tokens": chain.tokens, "probs": chain.probs}
 
     def observer(self, drafting: bool) -> Observer | None:
         """An observer for this step's verify forward (CLaSp records hidden states); None by default."""
