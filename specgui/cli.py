@@ -1,4 +1,4 @@
-"""Command line: `python -m specgui generate | bench | methods`.
+"""Command line: `python -m specgui generate | bench | methods | dv-search`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(bench)
 
     sub.add_parser("methods", help="list methods and their parameters")
+
+    search = sub.add_parser("dv-search", help="search (or show the cached) Draft & Verify skip set for a model")
+    search.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="dv parameter override (search settings: iterations, init_points, calibration, ...)")
+    add_model_args(search)
     return parser
 
 
@@ -180,10 +185,26 @@ def cmd_methods(args: argparse.Namespace) -> None:
             print(f"    {spec['name']:<18} {bounds or choices:<14} {spec['help']}")
 
 
+def cmd_dv_search(args: argparse.Namespace) -> None:
+    from specgui.methods import dv
+
+    overrides = _overrides(args.param, scoped=False)
+    device = args.device if args.device != "auto" else "cpu"
+    methods.params_for("dv", args.model, device.split(":")[0], overrides)  # before the model loads
+    lm = load_model(args)
+    params = methods.params_for("dv", lm.name, lm.runner.device.type, overrides)
+    result, cached = dv.load_or_search(lm.runner, lm.tokenizer, params)
+    print(f"{'cached' if cached else 'searched'}: {dv.cache_path(lm.runner, params)}")
+    print(f"skip attention {result.attn}, MLP {result.mlp}; predicted speedup {result.objective:.3f} at K = "
+          f"{result.draft_len} (matchness {result.matchness:.3f}, draft cost {result.draft_cost:.3f}); "
+          f"{result.iterations} sets scored in {result.seconds:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods}[args.command](args)
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods, "dv-search": cmd_dv_search}
+        commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
