@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark methods on a prompt suite")
     bench.add_argument("--methods", default="baseline,pld")
+    bench.add_argument("--preset", default=None, help="a paper's comparison (configs/papers/): its methods and "
+                       "categories, and its table beside ours (e.g. clasp-paper, selfdraft-paper, asd-paper)")
     bench.add_argument("--prompts", default="suite", help="JSONL file, or 'suite' for the built-in suite")
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
     bench.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
@@ -154,14 +156,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specgui import bench
+    from specgui import bench, papers
     from specgui.prompts import load_prompts, select
 
     sampling = _sampling(args)
-    entries = bench.entries_for(args.methods.split(","), _overrides(args.param, scoped=True))
+    preset = papers.load(args.preset) if args.preset else None
+    names = list(preset.methods) if preset else args.methods.split(",")
+    entries = bench.entries_for(names, _overrides(args.param, scoped=True))
     if args.repeats < 1:
         raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
-    rows = select(load_prompts(args.prompts), args.categories.split(",") if args.categories else None, args.limit)
+    categories = args.categories.split(",") if args.categories else (preset.categories if preset else None)
+    rows = select(load_prompts(args.prompts), categories, args.limit)
     if args.json:
         parent = Path(args.json).resolve().parent
         if not parent.is_dir():
@@ -171,6 +176,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report = bench.bench(lm, rows, entries, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              sampling=sampling, progress=bar.update)
     print(bench.format_report(report, profile=args.profile))
+    if preset:
+        headers, table = papers.table(report, preset)
+        report["paper"] = {"preset": preset.name, "caption": papers.caption(report, preset), "headers": headers,
+                           "rows": table}
+        print("\n" + papers.format_table(report, preset))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
 
