@@ -29,7 +29,7 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import ASSETS_DIR, hosting, methods
+from specgui import ASSETS_DIR, hosting, methods, papers
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.events import MAX_TRACE_BYTES, load_trace, save_trace, to_json
@@ -190,15 +190,19 @@ class App:
             self.cmp_per = gr.Slider(1, 8, value=1, step=1, label="Prompts per category")
             self.cmp_tokens = gr.Slider(8, 256, value=48, step=8, label="Max new tokens")
             self.cmp_repeats = gr.Slider(1, 5, value=1, step=1, label="Repeats (median)")
+        self.cmp_preset = gr.Dropdown([compare.NO_PRESET, *papers.names()], value=compare.NO_PRESET,
+                                      label="Paper preset", info="a seed paper's comparison set, laid out as its "
+                                      "table with the paper's own numbers beside ours (replaces methods and category)")
         with gr.Row():
             self.cmp_run = gr.Button("Run suite", variant="primary", elem_id="sg-cmp-run")
             self.cmp_stop = gr.Button("Stop", variant="stop")
         self.cmp_status = gr.HTML(render.status("Greedy decoding, embedded model unless the Live tab loaded another."))
         self.cmp_table = gr.Dataframe(headers=compare.COLUMNS, interactive=False, elem_id="sg-cmp-table")
+        self.cmp_note = gr.HTML("")
         self.cmp_chart = gr.Plot(show_label=False)
         self.cmp_run.click(self.run_compare, [self.cmp_methods, self.cmp_category, self.cmp_per, self.cmp_tokens,
-                                              self.cmp_repeats],
-                           [self.cmp_status, self.cmp_table, self.cmp_chart], concurrency_id="model",
+                                              self.cmp_repeats, self.cmp_preset],
+                           [self.cmp_status, self.cmp_table, self.cmp_chart, self.cmp_note], concurrency_id="model",
                            concurrency_limit=1, api_name="compare")
         self.cmp_stop.click(self.stop_compare, None, None, queue=False)
 
@@ -374,15 +378,17 @@ class App:
     # -- compare tab ----------------------------------------------------------------------------------
 
     def run_compare(self, names: list[str], category: str, per_category: float, max_new: float, repeats: float,
-                    request: gr.Request = None, progress: gr.Progress = PROGRESS) -> tuple:
+                    preset: str = compare.NO_PRESET, request: gr.Request = None,
+                    progress: gr.Progress = PROGRESS) -> tuple:
         stop = self.stops.fresh(_session(request) + "/compare")
         try:
-            rows = compare.pick_rows(load_prompts(), category, int(per_category))
+            rows, names, paper = compare.choose(load_prompts(), list(names or []), category, int(per_category),
+                                                preset)
             lm = self._loaded()
             counts: queue.SimpleQueue = queue.SimpleQueue()  # (done, total) from the device thread
             with self.store.busy:
                 job = runs.DEVICE.submit(contextvars.copy_context().run, compare.run_suite, lm, rows,
-                                         list(names or []), max_new_tokens=int(max_new), repeats=int(repeats),
+                                         names, max_new_tokens=int(max_new), repeats=int(repeats),
                                          sampling=Sampling(), stop=stop,
                                          progress=lambda done, total: counts.put((done, total)))
                 while not job.done():
@@ -390,12 +396,13 @@ class App:
                         progress(counts.get(timeout=0.2), desc="runs", unit="runs")
                 report = job.result()
         except compare.Stopped:
-            return render.status("stopped"), gr.skip(), gr.skip()
+            return render.status("stopped"), gr.skip(), gr.skip(), gr.skip()
         except Exception as exc:
-            return render.status(_failure(exc), "error"), gr.skip(), gr.skip()
+            return render.status(_failure(exc), "error"), gr.skip(), gr.skip(), gr.skip()
         message = (f"{len(rows)} prompts × {len(report['methods'])} methods on {report['model']} ({report['device']}), "
                    f"max {report['max_new_tokens']} new tokens, median of {report['repeats']}")
-        return render.status(message), compare.table(report), charts.compare_chart(report)
+        note = render.status(papers.caption(report, paper)) if paper else ""
+        return (render.status(message), compare.result_table(report, paper), charts.compare_chart(report), note)
 
     # -- API ------------------------------------------------------------------------------------------
 
