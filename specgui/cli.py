@@ -1,4 +1,4 @@
-"""Command line: `python -m specgui generate | bench | methods | profile`.
+"""Command line: `python -m specgui generate | bench | methods | profile | dv-search`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark methods on a prompt suite")
     bench.add_argument("--methods", default="baseline,pld")
+    bench.add_argument("--preset", default=None, help="a paper's comparison (configs/papers/): its methods and "
+                       "categories, and its table beside ours (e.g. clasp-paper, selfdraft-paper, asd-paper)")
     bench.add_argument("--prompts", default="suite", help="JSONL file, or 'suite' for the built-in suite")
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
     bench.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
@@ -83,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the saved profile")
     prof.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
     add_model_args(prof)
+
+    search = sub.add_parser("dv-search", help="search (or show the cached) Draft & Verify skip set for a model")
+    search.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="dv parameter override (search settings: iterations, init_points, calibration, ...)")
+    add_model_args(search)
     return parser
 
 
@@ -158,14 +165,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specgui import bench
+    from specgui import bench, papers
     from specgui.prompts import PromptRow, load_prompts, select
 
     sampling = _sampling(args)
-    entries = bench.entries_for(args.methods.split(","), _overrides(args.param, scoped=True))
+    preset = papers.load(args.preset) if args.preset else None
+    names = list(preset.methods) if preset else args.methods.split(",")
+    entries = bench.entries_for(names, _overrides(args.param, scoped=True))
     if args.repeats < 1:
         raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
-    rows = select(load_prompts(args.prompts), args.categories.split(",") if args.categories else None, args.limit)
+    categories = args.categories.split(",") if args.categories else (preset.categories if preset else None)
+    rows = select(load_prompts(args.prompts), categories, args.limit)
     if args.json:
         parent = Path(args.json).resolve().parent
         if not parent.is_dir():
@@ -187,6 +197,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report = bench.bench(lm, rows, entries, settings, progress=progress, partial=save)
     save(report)
     print(bench.format_report(report, profile=args.profile))
+    if preset:
+        headers, table = papers.table(report, preset)
+        report["paper"] = {"preset": preset.name, "caption": papers.caption(report, preset), "headers": headers,
+                           "rows": table}
+        print("\n" + papers.format_table(report, preset))
+        save(report)
 
 
 def cmd_methods(args: argparse.Namespace) -> None:
@@ -213,12 +229,30 @@ def cmd_profile(args: argparse.Namespace) -> None:
     print(profile.summary())
 
 
+def cmd_dv_search(args: argparse.Namespace) -> None:
+    from specgui import costs, fastpath
+    from specgui.methods import dv
+
+    overrides = _overrides(args.param, scoped=False)
+    device = args.device if args.device != "auto" else "cpu"
+    methods.params_for("dv", args.model, device.split(":")[0], overrides)  # before the model loads
+    lm = load_model(args)
+    params = methods.params_for("dv", lm.name, lm.runner.device.type, overrides)
+    profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner))
+    result, cached = dv.load_or_search(lm.runner, lm.tokenizer, params, profile)
+    print(f"{'cached' if cached else 'searched'}: {dv.cache_path(lm.runner, params)}")
+    print(f"skip attention {result.attn}, MLP {result.mlp}; predicted speedup {result.objective:.3f} at K = "
+          f"{result.draft_len} (matchness {result.matchness:.3f}, draft cost {result.draft_cost:.3f}); "
+          f"{result.iterations} sets scored in {result.seconds:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
         args = build_parser().parse_args(argv)
-        {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods,
-         "profile": cmd_profile}[args.command](args)
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods, "profile": cmd_profile,
+                    "dv-search": cmd_dv_search}
+        commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -123,7 +123,7 @@ def generate(
     profile = profile or costs.profile_for(lm, static)
     cache = fastpath.cache_for(runner, len(prompt_ids) + max_new_tokens) if static else kvcache.KVCache()
     state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
-                        profile)
+                        profile, tokenizer=lm.tokenizer)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
@@ -217,13 +217,16 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, tor
         visibility = full
         tokens += extras.tokens
         positions += extras.positions
-    rows = slice(None) if extras is not None and extras.want_logits else slice(0, 1 + len(draft))
+    n = 1 + len(draft)
+    want = extras is not None and extras.want_logits
+    rows: torch.Tensor | slice = slice(None) if want else slice(0, n)
+    if want and extras.logit_rows is not None:
+        rows = torch.cat([torch.arange(n), n + torch.tensor(extras.logit_rows, dtype=torch.long)])
     logits = state.runner.forward(
         torch.tensor(tokens), torch.tensor(positions), state.cache, visibility=visibility, logits_rows=rows,
         observer=draft.observer, pre_layer=extras.pre_layer if extras else None,
     )
-    n = 1 + len(draft)
-    return logits[:n], (logits[n:] if extras is not None and extras.want_logits else None)
+    return logits[:n], (logits[n:] if want else None)
 
 
 def _cut(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> tuple[list[int], str | None]:

@@ -23,7 +23,9 @@ class Extras:
 
     `visibility` [E, 1 + N + E] says what each extra token attends to among the block
     `[pending, nodes..., extras...]` (besides the cached prefix, which every token sees). Their keys and
-    values are dropped after the forward; their logits come back in `Outcome.extra_logits`.
+    values are dropped after the forward; their logits come back in `Outcome.extra_logits`, for every
+    extra or, with `logit_rows`, for those extras only (in that order): the LM head is a large share of a
+    small model's forward, so rows nobody reads are not computed.
     """
 
     tokens: list[int]
@@ -31,6 +33,7 @@ class Extras:
     visibility: torch.Tensor
     pre_layer: PreLayer | None = None
     want_logits: bool = True
+    logit_rows: list[int] | None = None
 
 
 @dataclass
@@ -114,7 +117,7 @@ class Outcome:
     path: list[int]  # accepted draft nodes, root to leaf
     token: int  # the verifier's own token (bonus after a full path, else the correction)
     emitted: list[int]  # tokens committed this step (accepted path + own token, cut at a stop)
-    extra_logits: torch.Tensor | None  # [E, V] logits of the extras, when asked for
+    extra_logits: torch.Tensor | None  # [E, V] logits of the extras (or of `Extras.logit_rows`), when asked for
     prefill: bool = False
     draft_ms: float = 0.0
     verify_ms: float = 0.0

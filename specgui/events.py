@@ -20,10 +20,17 @@ on; a method sets the ones that apply, and new keys are fine:
   "fractal_layers": [layer, ...] where compressed passes are spliced in (Fractal, in Prefill and Step)
   "origin":        [fractal layer per draft node] which fractal layer produced the node's final token
   "branches":      [[token, ...] per branch] Self-Draft's draft branches as fed to this forward
-  "candidates":    [{"nodes": [node, ...], "source": "context" | "corpus", "key": [token, ...]}]
+  "candidates":    [{"nodes": [node, ...], "source": "context" | "corpus" | "pool", "key": [token, ...]}]
   "hit":           {"candidate": index, "tokens": accepted count} the candidate the verifier kept
   "cache_sizes":   {"context": n, "corpus": n} n-gram cache sizes
   "ngram":         length of the matched suffix (prompt lookup)
+  "search":        the skip-set search. SWIFT, every step: {"phase": "optimizing" | "done", "iteration": n,
+                   "best": matchness}, plus on a step that scored a proposal "kind" ("random" | "bayes"),
+                   "score" and "kept". Draft & Verify, in Prefill: {"cached", "iterations", "seconds",
+                   "objective" (predicted speedup), "matchness", "draft_cost", "draft_len"}
+  "proposal":      {"attn": [...], "mlp": [...]} the skip set SWIFT scored this step (not the one that drafted)
+  "window":        [[token, ...] per level] Lookahead's window as fed; level 0 starts with the pending token
+  "harvested":     n-grams the lookahead window added to its pool this step ("cache_sizes": {"pool": n})
 Any key ending in "_ms" is a per-call time that `bench --profile` averages.
 """
 

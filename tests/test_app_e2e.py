@@ -2,6 +2,7 @@
 several at once, then a cancelled one), and the page's run and replay handlers with their streamed updates
 and final summary."""
 
+import html
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -147,3 +148,19 @@ def test_a_cancelled_api_run_frees_the_queue_for_the_next(served):
     app.store.busy.release()
     last = client.predict(PROMPT, "pld", 8, 0.0, api_name="/generate")  # a stream's predict: its last event
     assert last["type"] == "summary" and last["new_tokens"] == 8
+
+
+@pytest.mark.parametrize("preset", ["clasp-paper", "selfdraft-paper", "asd-paper"])
+def test_compare_tab_runs_a_paper_preset_as_the_paper_lays_it_out(served, preset):
+    from specgui import papers
+    from specgui.ui import compare
+
+    app, _ = served
+    paper = papers.load(preset)
+    status, table, _, note = app.run_compare([], compare.ALL, 1, 8, 1, preset)
+    assert f"{len(paper.categories)} prompts × {len(paper.methods)} methods" in status, status
+    assert len(table["headers"]) == len(table["data"][0]) and table["headers"][1] in ("method", "benchmark")
+    sources = [row[0] for row in table["data"]]
+    assert sources.count("ours") >= 2 and sources.count("paper") >= 2
+    note = html.unescape(note)
+    assert paper.title in note and "runs identical to baseline" in note and paper.setting in note

@@ -39,6 +39,20 @@ def test_bench_writes_json(tmp_path, embedded_lm):
     assert data["per_prompt"] and "category qa" in out.stdout
 
 
+@pytest.mark.parametrize("preset", ["clasp-paper", "selfdraft-paper", "asd-paper"])
+def test_bench_runs_a_paper_preset_and_prints_its_table(tmp_path, embedded_lm, preset):
+    from specgui import papers
+
+    paper = papers.load(preset)
+    report = tmp_path / "r.json"
+    out = cli("bench", "--preset", preset, "--limit", "1", "--max-new-tokens", "8", "--json", str(report))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert list(data["methods"]) == list(paper.methods) and set(data["categories"]) == set(paper.categories)
+    assert data["paper"]["preset"] == preset and paper.setting in data["paper"]["caption"]
+    assert paper.title in out.stdout and [r[0] for r in data["paper"]["rows"]].count("paper") >= 2
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--prompt", ""], "prompt is empty"),
     (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
@@ -56,6 +70,7 @@ def test_bench_writes_json(tmp_path, embedded_lm):
     (["bench", "--repeats", "0"], "repeats"),
     (["bench", "--categories", "poetry"], "no prompts in category"),
     (["bench", "--param", "pld.num_draft"], "KEY=VALUE"),
+    (["bench", "--preset", "nope"], "unknown paper preset"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):

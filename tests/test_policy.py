@@ -1,9 +1,11 @@
 """Draft sizing by the cost model: the acceptance curve, the choice, pauses and probes, and methods obeying it."""
 
+import dataclasses
+
 import pytest
 
 from helpers import baseline_run, tiny_model
-from specgui import decode
+from specgui import decode, methods
 from specgui.costs import CostProfile
 from specgui.methods.policy import MARGIN, PRIOR_ALPHA, DraftPolicy
 
@@ -86,3 +88,29 @@ def test_predicted_speedup_of_a_run_prices_its_steps():
     assert summary.predicted_s == pytest.approx(prompt_s + 0.010 * summary.steps, rel=0.01)  # + the lookups
     assert summary.plain_s == pytest.approx(prompt_s + 0.010 * (summary.new_tokens - 1))
     assert summary.predicted_speedup > 1  # pld repeats the prompt; on a flat profile every match pays
+
+
+SIZED = [n for n in methods.names() if "policy" in {f.name for f in dataclasses.fields(methods.get(n).Params)}]
+# quick searches, and no draft exit: this random model is rarely sure of a draft token
+QUICK = {"dv": {"iterations": 4, "init_points": 2, "calibration": "chat-001", "calibration_tokens": 8},
+         "swift": {"context_window": 4, "opt_interval": 1, "exit_threshold": 0.0},
+         "admg": {"exit_threshold": 0.0, "exit_step": 0.0, "alpha": 0.0, "keep_last": 0}, "clasp": {"det": 0.0}}
+
+
+@pytest.mark.parametrize("method", SIZED)
+def test_every_sized_method_obeys_the_profile_and_stays_lossless(tiny_lm, method, tmp_path, monkeypatch):
+    """Where verifying more rows costs nothing the policy drafts; where every row costs a forward it pauses.
+    Either way the output is plain decoding's."""
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))  # dv's searched skip set stays in the test's folder
+    cheap = profile([10.0] * 64, unit=1.2)
+    dear = profile([10.0 * (1 + i) for i in range(64)], unit=0.0)
+    params = QUICK.get(method, {})
+    base = baseline_run(tiny_lm, PROMPT, 40).token_ids
+    runs = {name: decode.run(tiny_lm, PROMPT, method, max_new_tokens=40, profile=p, params=params)
+            for name, p in (("cheap", cheap), ("dear", dear))}
+    for name, result in runs.items():
+        assert result.token_ids == base, name
+        assert all("plan" in s.payload for s in result.steps if s.drafted)
+    modes = [s.payload["plan"]["mode"] for s in runs["dear"].steps if "plan" in s.payload]
+    assert "draft" not in modes and modes.count("paused") >= len(modes) // 2
+    assert sum(s.drafted for s in runs["cheap"].steps) > sum(s.drafted for s in runs["dear"].steps)

@@ -1,7 +1,8 @@
 """Drafting methods by name.
 
 The package holds one module per method (each registers its drafter with `@register`) and the parts only
-methods use: `layerskip` and `skipdp` (CLaSp, ADMG), `ngram_cache` (Self-Draft), `compress` (Fractal).
+methods use: `layerskip` (every layer-skip method), `skipdp` (CLaSp), `skipsearch` and `bayesopt` (SWIFT,
+Draft & Verify), `ngram_cache` (Self-Draft, Lookahead), `compress` (Fractal).
 Adding a method takes three things, and nothing in the core or the UI:
   * a module here whose drafter class is decorated with `@register`,
   * its module name in `METHODS` below (which also sets the order menus and tables show),
@@ -25,7 +26,7 @@ from specgui.sampling import Sampling
 
 __all__ = ["METHODS", "DecodeState", "Drafter", "create", "get", "names", "params_for", "register"]
 
-METHODS = ("baseline", "pld", "clasp", "admg", "selfdraft", "fractal")
+METHODS = ("baseline", "pld", "clasp", "admg", "selfdraft", "fractal", "swift", "dv", "lookahead")
 
 for _name in METHODS:
     importlib.import_module(f"{__name__}.{_name}")

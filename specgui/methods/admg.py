@@ -17,20 +17,16 @@ import torch
 
 from specgui.draft import Outcome
 from specgui.methods.base import DecodeState, register
-from specgui.methods.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
+from specgui.methods.layerskip import AdaptiveExitParams, ExitThreshold, LayerSkipDrafter, adaptive_exit
 from specgui.params import param
 from specgui.runner import ATTN, SkipPlan, unit_at
 
 
 @dataclass(frozen=True)
-class AdmgParams(LayerSkipParams):
+class AdmgParams(AdaptiveExitParams):
     alpha: float = param(low=0.0, high=1.0, help="remove attention sub-layers whose prompt ACS is >= alpha")
     every: int = param(low=0, high=1024, help="rule 1: remove every m-th layer (attention and MLP); 0 = off")
     keep_last: int = param(low=0, high=1024, help="rule 2: never remove anything in the last n layers")
-    exit_threshold: float = param(low=0.0, high=1.0, help="initial draft-exit threshold on the draft's top-1 "
-                                                          "probability")
-    target_acceptance: float = param(low=0.0, high=1.0, help="acceptance rate the adaptive exit steers towards")
-    exit_step: float = param(low=0.0, high=1.0, help="how far the exit threshold moves per step (before smoothing)")
 
 
 class AcsMeter:
@@ -76,8 +72,7 @@ class Admg(LayerSkipDrafter):
         return self.meter
 
     def make_exit(self) -> ExitThreshold:
-        p = self.params
-        return ExitThreshold(p.exit_threshold, target=p.target_acceptance, step=p.exit_step)
+        return adaptive_exit(self.params)
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:

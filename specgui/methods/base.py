@@ -46,6 +46,7 @@ class DecodeState:
     max_new_tokens: int
     profile: CostProfile | None = None  # measured costs that size drafts (None: no prediction, e.g. while measuring)
     step: int = 0
+    tokenizer: Any = None  # the model's tokenizer, for drafters that prepare from text of their own (dv)
 
     @property
     def committed(self) -> int:

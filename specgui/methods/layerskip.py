@@ -18,7 +18,7 @@ Sampling stays lossless because every draft token carries the distribution it wa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,14 +39,21 @@ class Chain:
     probs: torch.Tensor | None  # [N, V]
     confidences: list[float]  # top-1 probability of the draft distribution at each token
     reason: str  # "threshold", "limit" (the size drafted for), "budget" (end of the generation) or "paused"
+    alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: runners-up (token, prob)
 
 
-def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float) -> Chain:
-    """Draft up to `limit` tokens with `plan`'s sub-layers skipped; leaves the cache as it found it."""
+def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0) -> Chain:
+    """Draft up to `limit` tokens with `plan`'s sub-layers skipped; leaves the cache as it found it.
+
+    With `alternatives` > 0, each position also records that many runner-up tokens of its draft
+    distribution with their probabilities, most likely first (SWIFT's dynamic verification turns them into
+    sibling candidates).
+    """
     runner, start, sampling = state.runner, state.committed, state.sampling
     tokens: list[int] = []
     dists: list[torch.Tensor] = []
     confidences: list[float] = []
+    others: list[list[tuple[int, float]]] = []
     token, reason = state.pending, "limit"
     for i in range(limit):
         logits = runner.forward(torch.tensor([token]), torch.tensor([start + i]), state.cache, skip=plan)[0]
@@ -59,11 +66,15 @@ def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float
             dists.append(probs)
         tokens.append(token)
         confidences.append(float(probs.max()))
+        if alternatives > 0:
+            top = probs.topk(min(alternatives + 1, probs.numel()))
+            ranked = zip(top.indices.tolist(), top.values.tolist())
+            others.append([(t, p) for t, p in ranked if t != token][:alternatives])
         if confidences[-1] < threshold:
             reason = "threshold"
             break
     state.cache.crop(start)  # the draft's own keys go; the verify forward writes the real ones
-    return Chain(tokens, torch.stack(dists) if dists else None, confidences, reason)
+    return Chain(tokens, torch.stack(dists) if dists else None, confidences, reason, others)
 
 
 class ExitThreshold:
@@ -96,9 +107,24 @@ class ExitThreshold:
 
 @dataclass(frozen=True)
 class LayerSkipParams(SizedParams):
-    """Drafting tunables both layer-skip methods share (each method adds its own)."""
+    """Drafting tunables every layer-skip method shares (each method adds its own)."""
 
     max_draft: int = param(low=1, high=32, help="most draft tokens per step (K); the cost model may draft fewer")
+
+
+@dataclass(frozen=True)
+class AdaptiveExitParams(LayerSkipParams):
+    """Draft & Verify's adaptive draft-exit (section 3.4), for the methods that use it (`dv`, `admg`)."""
+
+    exit_threshold: float = param(low=0.0, high=1.0, help="initial draft-exit threshold on the draft's top-1 "
+                                                          "probability")
+    target_acceptance: float = param(low=0.0, high=1.0, help="acceptance rate the adaptive exit steers towards")
+    exit_step: float = param(low=0.0, high=1.0, help="how far the exit threshold moves per step (before smoothing)")
+
+
+def adaptive_exit(params: AdaptiveExitParams) -> ExitThreshold:
+    """The adaptive exit threshold that `params` describe."""
+    return ExitThreshold(params.exit_threshold, target=params.target_acceptance, step=params.exit_step)
 
 
 class LayerSkipDrafter(Drafter):
@@ -121,17 +147,30 @@ class LayerSkipDrafter(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         token_ms = state.profile.skip_forward_ms(self.plan, state.committed) if state.profile else 1.0
         depth = min(self.params.max_draft, state.max_depth)
-        sizing = self.policy.choose(lambda k: k * token_ms + self.overhead_ms() + state.verify_ms(1 + k),
+        sizing = self.policy.choose(lambda k: k * token_ms + self.overhead_ms() + state.verify_ms(1 + self.rows(k)),
                                     state.plain_ms(), depth)
         drafting = sizing.size > 0
-        self.chain = draft_chain(state, self.plan, sizing.size, self.exit.value) if drafting else None
+        self.chain = (draft_chain(state, self.plan, sizing.size, self.exit.value, self.alternatives)
+                      if drafting else None)
         shown = self.chain or Chain([], None, [], "paused" if depth > 0 else "budget")
         skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
+        fields = self.proposal(shown)
+        confidences = fields.pop("confidences", shown.confidences)
         info = {"skip": skipped.to_dict(), "draft_len": sizing.size, "plan": sizing.to_dict(),
-                "exit": {"threshold": self.exit.value, "confidences": shown.confidences, "reason": shown.reason}}
+                "exit": {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}}
         cost = len(shown.tokens) * token_ms + (self.overhead_ms() if drafting else 0.0)
-        return Draft(tokens=shown.tokens, probs=shown.probs, observer=self.observer(drafting), info=info,
-                     cost_ms=cost)
+        return Draft(**fields, observer=self.observer(drafting), info=info, cost_ms=cost)
+
+    alternatives = 0  # runner-up tokens `draft_chain` records per position (for `proposal`)
+
+    def rows(self, k: int) -> int:
+        """Draft nodes a verify carries for a chain of k tokens (a chain: k; SWIFT adds siblings)."""
+        return k
+
+    def proposal(self, chain: Chain) -> dict[str, Any]:
+        """The `Draft` fields (tokens, parents, probs) built from the chain, plus "confidences" (the draft
+        probability of each node, for the inspector) when they differ from the chain's: the chain itself here."""
+        return {"tokens": chain.tokens, "probs": chain.probs}
 
     def observer(self, drafting: bool) -> Observer | None:
         """An observer for this step's verify forward (CLaSp records hidden states); None by default."""
@@ -140,7 +179,9 @@ class LayerSkipDrafter(Drafter):
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill and self.chain is not None:
             self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
-            self.policy.learn(outcome.path, len(self.chain.tokens), exhausted=self.chain.reason == "threshold")
+            # sized by chain length: the path's depth counts (a tree's siblings share their chain position)
+            self.policy.learn(range(len(outcome.path)), len(self.chain.tokens),
+                              exhausted=self.chain.reason == "threshold")
         return self.learn(state, outcome)
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""N-gram caches for Self-Draft: continuations keyed by the tokens before them, best first per key.
+"""N-gram caches: continuations keyed by the tokens before them, best first per key.
 
 Both of Self-Draft's caches answer one question: "after these last few tokens, which short continuations
 are worth verifying?" so they share one structure. A key is a tuple of 1..`max_key` tokens; each key holds
@@ -11,6 +11,9 @@ before one that matches only the last token (the paper's priority to longer pref
     the front, the last one falls out past `capacity` (the paper's LRU list per first token).
   * corpus cache (`CorpusCache`, read-only): frequent n-grams of general text for one tokenizer, in
     frequency order per key, built by `python -m specgui.corpus` and stored under `assets/corpus/`.
+
+`CandidateTrie` merges the continuations a drafter retrieves into one token tree rooted at the pending
+token, so candidates that share a prefix share verify slots (Self-Draft's candidates, Lookahead's guesses).
 
 The stored file is a compressed numpy archive of two padded int32 tables (keys, continuations; -1 pads)
 plus a JSON header: a few hundred kilobytes where a pickle of dicts would be megabytes.
@@ -130,3 +133,35 @@ def load_corpus(name: str) -> CorpusCache:
         keys, grams = data["keys"].tolist(), data["grams"].tolist()
     rows = ((tuple(t for t in k if t >= 0), tuple(t for t in g if t >= 0)) for k, g in zip(keys, grams))
     return CorpusCache(meta, rows)
+
+
+class CandidateTrie:
+    """Candidates merged into a token tree rooted at the pending token, at most `budget` nodes."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.budget
+
+    def add(self, gram: tuple[int, ...]) -> list[int] | None:
+        """Insert a candidate; return its nodes, or None when it adds no new node (a duplicate, or no room)."""
+        nodes: list[int] = []
+        node, grew = -1, False
+        for token in gram:
+            child = self.children.get((node, token))
+            if child is None:
+                if self.full:
+                    break
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.children[(node, token)] = child
+                grew = True
+            nodes.append(child)
+            node = child
+        return nodes if grew else None

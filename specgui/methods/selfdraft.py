@@ -38,7 +38,7 @@ from specgui.costs import time_ms
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.ngram_cache import CorpusCache, NgramCache, load_corpus
+from specgui.methods.ngram_cache import CandidateTrie, CorpusCache, NgramCache, load_corpus
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 
@@ -59,38 +59,6 @@ class SelfDraftParams(SizedParams):
     use_context: bool = param(help="verify context-cache candidates (off also stops the branches feeding it)")
     use_corpus: bool = param(help="verify corpus-cache candidates")
     corpus: str = param(help="corpus cache under assets/corpus/ built with the model's tokenizer ('' = none)")
-
-
-class CandidateTrie:
-    """Candidates merged into a token tree rooted at the pending token, at most `budget` nodes."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.budget
-
-    def add(self, gram: tuple[int, ...]) -> list[int] | None:
-        """Insert a candidate; return its nodes, or None when it adds no new node (a duplicate, or no room)."""
-        nodes: list[int] = []
-        node, grew = -1, False
-        for token in gram:
-            child = self.children.get((node, token))
-            if child is None:
-                if self.full:
-                    break
-                child = len(self.tokens)
-                self.tokens.append(token)
-                self.parents.append(node)
-                self.children[(node, token)] = child
-                grew = True
-            nodes.append(child)
-            node = child
-        return nodes if grew else None
 
 
 @register

@@ -1,5 +1,8 @@
 """The Compare tab: the built-in suite (or one category) across chosen methods, via `specgui.bench`.
 
+A paper preset (`specgui.papers`) replaces the methods and categories by a seed paper's comparison set and
+lays the table out as that paper does, its own reported numbers beside ours.
+
 The numbers are exactly the CLI's `bench` (same warm-up, rotation and medians), so the tab and the
 README's tables agree. Stop works through bench's `progress` callback: it raises `Stopped` between runs.
 """
@@ -10,13 +13,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from specgui import bench, hosting
+from specgui import bench, hosting, papers
 from specgui.loading import LoadedModel
+from specgui.papers import PaperPreset
 from specgui.prompts import PromptRow, select
 from specgui.sampling import Sampling
 
 ALL = "all categories"
 COLUMNS = ["method", "category", "tok/s", "speedup", "tau", "acceptance", "identical"]
+NO_PRESET = "none (the methods and category above)"
 
 
 class Stopped(Exception):
@@ -29,6 +34,15 @@ def pick_rows(rows: list[PromptRow], category: str, per_category: int) -> list[P
 
 
 Progress = Callable[[dict[str, int], int], None]  # (runs done per method, runs each method will make)
+
+
+def choose(suite: list[PromptRow], names: list[str], category: str, per_category: int,
+           preset: str) -> tuple[list[PromptRow], list[str], PaperPreset | None]:
+    """The prompts and methods a run uses: a paper preset's (configs/papers/), or those picked in the tab."""
+    if preset and preset != NO_PRESET:
+        paper = papers.load(preset)
+        return select(suite, paper.categories, per_category), list(paper.methods), paper
+    return pick_rows(suite, category, per_category), names, None
 
 
 @hosting.gpu(duration=300)  # a suite is many runs: one GPU slice for all of them
@@ -66,3 +80,11 @@ def table(report: dict[str, Any]) -> list[list[Any]]:
     if len(report["categories"]) > 1:
         rows += [row(name, "overall", agg) for name, agg in report["methods"].items()]
     return rows
+
+
+def result_table(report: dict[str, Any], preset: PaperPreset | None) -> dict[str, list]:
+    """The table for the tab: the plain one, or the paper's layout with ours and the paper's numbers."""
+    if preset is None:
+        return {"headers": COLUMNS, "data": table(report)}
+    headers, rows = papers.table(report, preset)
+    return {"headers": headers, "data": rows}

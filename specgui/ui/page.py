@@ -38,7 +38,7 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import ASSETS_DIR, hosting, methods
+from specgui import ASSETS_DIR, hosting, methods, papers
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.events import MAX_TRACE_BYTES, Event, load_trace, loads_trace, save_trace, to_json
@@ -283,16 +283,20 @@ class App:
             self.cmp_per = gr.Slider(1, 8, value=1, step=1, label="Prompts per category")
             self.cmp_tokens = gr.Slider(8, 256, value=48, step=8, label="Max new tokens", elem_id="sg-cmp-tokens")
             self.cmp_repeats = gr.Slider(1, MAX_REPEATS, value=1, step=1, label="Repeats (median)")
+        self.cmp_preset = gr.Dropdown([compare.NO_PRESET, *papers.names()], value=compare.NO_PRESET,
+                                      label="Paper preset", info="a seed paper's comparison set, laid out as its "
+                                      "table with the paper's own numbers beside ours (replaces methods and category)")
         with gr.Row():
             self.cmp_run = gr.Button("Run suite", variant="primary", elem_id="sg-cmp-run")
             self.cmp_stop = gr.Button("Stop", variant="stop")
         self.cmp_status = gr.HTML(render.status("Greedy decoding, embedded model unless the Live tab loaded another."),
                                   elem_id="sg-cmp-status")
         self.cmp_table = gr.Dataframe(headers=compare.COLUMNS, interactive=False, elem_id="sg-cmp-table")
+        self.cmp_note = gr.HTML("")
         self.cmp_chart = gr.Plot(show_label=False)
         self.cmp_run.click(self.run_compare, [self.cmp_methods, self.cmp_category, self.cmp_per, self.cmp_tokens,
-                                              self.cmp_repeats],
-                           [self.cmp_status, self.cmp_table, self.cmp_chart], concurrency_id="model",
+                                              self.cmp_repeats, self.cmp_preset],
+                           [self.cmp_status, self.cmp_table, self.cmp_chart, self.cmp_note], concurrency_id="model",
                            concurrency_limit=1, api_name="page_compare", api_visibility="private",
                            show_progress_on=self.cmp_status)
         self.cmp_stop.click(self.stop_compare, None, None, queue=False, api_visibility="private")
@@ -542,28 +546,33 @@ class App:
 
     # -- compare tab ----------------------------------------------------------------------------------
 
-    def _suite(self, names: Any, category: Any, per_category: Any, max_new: Any, repeats: Any,
-               stop: threading.Event, progress: compare.Progress) -> tuple[Future, int]:
-        """Start the suite on the device thread (the caller holds `store.busy`); the job and its prompt count."""
+    def _suite(self, names: Any, category: Any, per_category: Any, max_new: Any, repeats: Any, preset: Any,
+               stop: threading.Event, progress: compare.Progress) -> tuple[Future, int, papers.PaperPreset | None]:
+        """Start the suite on the device thread (the caller holds `store.busy`): the job, its prompt count and
+        the paper preset that chose the methods and categories (None: `names` and `category` did)."""
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise SpecGUIError("methods must be a list of method names")
-        rows = compare.pick_rows(load_prompts(), str(category), _whole(per_category, "prompts per category", 1, 8))
+        if not isinstance(preset, str):
+            raise SpecGUIError("preset must be a paper preset's name")
+        per_category = _whole(per_category, "prompts per category", 1, 8)
+        rows, names, paper = compare.choose(load_prompts(), names, str(category), per_category, preset)
         max_new = _whole(max_new, "max new tokens", 1, controls.max_new_tokens_cap())
         repeats = _whole(repeats, "repeats", 1, MAX_REPEATS)
         lm = self._loaded()
         job = runs.DEVICE.submit(contextvars.copy_context().run, compare.run_suite, lm, rows, names,
                                  max_new_tokens=max_new, repeats=repeats, sampling=Sampling(), stop=stop,
                                  progress=progress)
-        return job, len(rows)
+        return job, len(rows), paper
 
     def run_compare(self, names: list[str], category: str, per_category: float, max_new: float, repeats: float,
-                    request: gr.Request = None, progress: gr.Progress = PROGRESS) -> tuple:
+                    preset: str = compare.NO_PRESET, request: gr.Request = None,
+                    progress: gr.Progress = PROGRESS) -> tuple:
         stop = self.stops.fresh(_session(request) + "/compare")
         counts: queue.SimpleQueue = queue.SimpleQueue()  # (runs done per method, runs per method), device thread
         try:
             with self.store.busy:
-                job, prompts = self._suite(list(names or []), category, per_category, max_new, repeats, stop,
-                                           lambda done, each: counts.put((done, each)))
+                job, prompts, paper = self._suite(list(names or []), category, per_category, max_new, repeats,
+                                                  preset, stop, lambda done, each: counts.put((done, each)))
                 progress(0, desc="warm-up: one short untimed run per method")
                 while not job.done():
                     with contextlib.suppress(queue.Empty):
@@ -572,12 +581,13 @@ class App:
                                  unit="runs")
                 report = job.result()
         except compare.Stopped:
-            return render.status("stopped"), gr.skip(), gr.skip()
+            return render.status("stopped"), gr.skip(), gr.skip(), gr.skip()
         except Exception as exc:
-            return render.status(_failure(exc), "error"), gr.skip(), gr.skip()
+            return render.status(_failure(exc), "error"), gr.skip(), gr.skip(), gr.skip()
         message = (f"done: {prompts} prompts × {len(report['methods'])} methods on {report['model']} "
                    f"({report['device']}), max {report['max_new_tokens']} new tokens, median of {report['repeats']}")
-        return render.status(message), compare.table(report), charts.compare_chart(report)
+        note = render.status(papers.caption(report, paper)) if paper else ""
+        return render.status(message), compare.result_table(report, paper), charts.compare_chart(report), note
 
     # -- API ------------------------------------------------------------------------------------------
 
@@ -605,13 +615,14 @@ class App:
                 raise gr.Error(_failure(exc)) from None
 
     def compare_api(self, methods: list[str], category: str = compare.ALL, prompts_per_category: int = 1,
-                    max_new_tokens: int = 48, repeats: int = 1) -> dict:
+                    max_new_tokens: int = 48, repeats: int = 1, preset: str = compare.NO_PRESET) -> dict:
         """Bench the built-in suite (every category, or one) with `methods` against baseline, greedy: the
-        report as JSON (tokens/s, speedup, tau, acceptance and identity per method, per category, per prompt)."""
+        report as JSON (tokens/s, speedup, tau, acceptance and identity per method, per category, per prompt).
+        A paper `preset` (configs/papers/) replaces methods and category by that paper's comparison set."""
         try:
             with self.store.busy:
-                job, _ = self._suite(methods, category, prompts_per_category, max_new_tokens, repeats,
-                                     threading.Event(), lambda done, each: None)
+                job, _, _ = self._suite(methods, category, prompts_per_category, max_new_tokens, repeats, preset,
+                                        threading.Event(), lambda done, each: None)
                 return job.result()
         except Exception as exc:
             raise gr.Error(_failure(exc)) from None

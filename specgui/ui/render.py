@@ -140,7 +140,12 @@ def layer_strip(num_layers: int, internals: Internals) -> str:
     if num_layers <= 0:
         return ""
     rows = []
-    for kind, label, skipped in (("attn", "attention", internals.skip_attn), ("mlp", "MLP", internals.skip_mlp)):
+    halves = [("attn", "attention", internals.skip_attn, "skipped by the draft"),
+              ("mlp", "MLP", internals.skip_mlp, "skipped by the draft")]
+    if internals.has_proposal:  # the set a search scored this step, drawn under the one that drafted
+        halves += [("try attn", "attention", internals.proposal_attn, "skipped by the set scored this step"),
+                   ("try mlp", "MLP", internals.proposal_mlp, "skipped by the set scored this step")]
+    for kind, label, skipped, why in halves:
         cells = []
         for layer in range(num_layers):
             skip = layer in skipped
@@ -148,7 +153,7 @@ def layer_strip(num_layers: int, internals: Internals) -> str:
                 kind == "attn" and layer < len(internals.acs)) else ""
             fractal = _tint(layer, internals.fractal_layers)
             cells.append(f'<span class="sg-cell {"sg-skip" if skip else "sg-ran"} {fractal}" '
-                         f'title="layer {layer} {label}: {"skipped by the draft" if skip else "ran"}{esc(note)}">'
+                         f'title="layer {layer} {label}: {why if skip else "ran"}{esc(note)}">'
                          f'</span>')
         rows.append(f'<span class="sg-strip-label">{kind}</span>{"".join(cells)}')
     if internals.fractal_layers:
@@ -224,8 +229,57 @@ def _selfdraft(internals: Internals, view: RunView, index: int, token_text: Toke
     return "".join(parts)
 
 
+def _search(internals: Internals) -> str:
+    """The skip-set search in words: SWIFT's proposal of this step, or Draft & Verify's offline search."""
+    f = dict(internals.search)
+    if not f:
+        return ""
+
+    def num(key: str, fmt: str = ".3f") -> str:
+        return format(f[key], fmt) if isinstance(f.get(key), (int, float)) and not isinstance(f[key], bool) else "?"
+
+    if "objective" in f or "cached" in f:  # an offline search, stated once per run
+        source = "read from the cache" if f.get("cached") is True else "searched for this model now"
+        text = (f"Skip set searched offline by Bayesian optimisation ({source}): {num('iterations', 'd')} sets "
+                f"scored in {num('seconds', '.1f')} s; predicted speedup {num('objective', '.2f')}× at "
+                f"{num('draft_len', 'd')} draft tokens, matchness {num('matchness')}, draft forward "
+                f"{num('draft_cost', '.2f')} of a full one")
+    else:
+        phase = "optimisation phase" if f.get("phase") == "optimizing" else "optimisation done, skip set fixed"
+        text = f"Skip-set search: {phase}, {num('iteration', 'd')} proposals, best matchness {num('best')}"
+        if "score" in f:
+            kind = "Bayesian" if f.get("kind") == "bayes" else "random"
+            verdict = "kept: drafts use it from now" if f.get("kept") is True else "worse than the best: dropped"
+            text += f"; this step scored a {kind} proposal at {num('score')} → {verdict}"
+    return f'<div class="sg-sub">Skip-set search</div><div class="sg-muted">{esc(text)}</div>'
+
+
+def _window(internals: Internals, token_text: TokenText | None) -> str:
+    """Lookahead's 2-D window: one row per level, level l's column j under position pending + l + j."""
+    if not internals.window:
+        return ""
+    width = max(len(level) for level in internals.window)
+    span = width + len(internals.window) - 1
+    rows = []
+    for level in reversed(range(len(internals.window))):  # the newest guesses on top, as in the paper's figure
+        cells = ["<td></td>"] * span
+        for j, token in enumerate(internals.window[level]):
+            if level + j < span:
+                mark = ' class="sg-hit"' if level == 0 and j == 0 else ""
+                cells[level + j] = f"<td{mark}>{esc(_ids_text((token,), token_text))}</td>"
+        rows.append(f'<tr><th>level {level}</th>{"".join(cells)}</tr>')
+    head = "".join(f"<th>+{i}</th>" for i in range(span))
+    note = ("each column j is one Jacobi trajectory: level 0 up to column j, then column j of every level; its "
+            "next-token guess completes an n-gram for the pool")
+    return (f'<div class="sg-sub">Lookahead window (columns: positions after the pending token, +0)</div>'
+            f'<table class="sg-grid"><tr><th></th>{head}</tr>{"".join(rows)}</table>'
+            f'<div class="sg-muted">{esc(note)}</div>')
+
+
 def _facts(internals: Internals) -> str:
     facts = [(f"cache {name}", str(size)) for name, size in internals.cache_sizes]
+    if internals.harvested is not None:
+        facts.append(("n-grams harvested", str(internals.harvested)))
     if internals.exit_reason or internals.exit_threshold is not None:
         threshold = f" at threshold {internals.exit_threshold:.3g}" if internals.exit_threshold is not None else ""
         facts.append(("draft exit", f"{internals.exit_reason or '?'}{threshold}"))
@@ -255,8 +309,8 @@ def step_detail(view: RunView, index: int, token_text: TokenText | None = None) 
             f'accepted {step.accepted} · verifier token: {own} · forward over {step.forward_tokens} tokens · '
             f'{times}</div>')
     return (f'<div class="sg-inspector">{head}{_draft_tree(view, index, internals)}'
-            f'{layer_strip(view.num_layers, internals)}{_selfdraft(internals, view, index, token_text)}'
-            f'{_facts(internals)}</div>')
+            f'{layer_strip(view.num_layers, internals)}{_search(internals)}{_window(internals, token_text)}'
+            f'{_selfdraft(internals, view, index, token_text)}{_facts(internals)}</div>')
 
 
 def verdict(comparison: Comparison) -> str:

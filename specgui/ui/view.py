@@ -31,10 +31,14 @@ KIND_HELP = {
 }
 # Payload keys `parse_internals` understands; any other key is shown as is.
 KNOWN_KEYS = frozenset({"skip", "reoptimized", "dp_score", "acs", "exit", "draft_len", "fractal_layers", "origin",
-                        "branches", "candidates", "hit", "cache_sizes", "ngram"})
+                        "branches", "candidates", "hit", "cache_sizes", "ngram", "search", "proposal", "window",
+                        "harvested"})
 # Keys a method may state once, in the Prefill payload, for the whole run (ADMG's per-prompt skip set and
-# the attention similarities it was chosen from; Fractal's insertion points).
-RUN_WIDE_KEYS = ("skip", "acs", "fractal_layers")
+# the attention similarities it was chosen from; Fractal's insertion points; Draft & Verify's offline search).
+RUN_WIDE_KEYS = ("skip", "acs", "fractal_layers", "search")
+# The skip-set search facts the inspector shows (SWIFT per step, Draft & Verify per run), in this order.
+SEARCH_KEYS = ("phase", "iteration", "kind", "score", "best", "kept", "cached", "iterations", "seconds", "objective",
+               "matchness", "draft_cost", "draft_len")
 
 TokenText = Callable[[int], str]
 
@@ -74,7 +78,13 @@ class Internals:
     candidates: tuple[Candidate, ...] = ()
     hit: tuple[int, int] | None = None  # (candidate index, tokens accepted from it)
     cache_sizes: tuple[tuple[str, int], ...] = ()
-    exit_reason: str | None = None  # "paused": the back-off skipped drafting this step
+    search: tuple[tuple[str, str | int | float | bool], ...] = ()  # SEARCH_KEYS present, in that order
+    proposal_attn: frozenset[int] = frozenset()  # the skip set a search scored this step (SWIFT)
+    proposal_mlp: frozenset[int] = frozenset()
+    has_proposal: bool = False
+    window: tuple[tuple[int, ...], ...] = ()  # Lookahead's levels as fed (level 0 starts with the pending token)
+    harvested: int | None = None
+    exit_reason: str | None = None  # "paused": the cost policy drafted nothing this step
     exit_threshold: float | None = None
     confidences: tuple[float, ...] = ()
     draft_len: int | None = None
@@ -154,6 +164,17 @@ def parse_internals(payload: dict[str, Any], run_wide: dict[str, Any] | None = N
     sizes = p.get("cache_sizes")
     if isinstance(sizes, dict):
         fields["cache_sizes"] = tuple((str(k), v) for k, v in sizes.items() if _is_int(v))
+    search = p.get("search")
+    if isinstance(search, dict):
+        fields["search"] = tuple((k, search[k]) for k in SEARCH_KEYS
+                                 if isinstance(search.get(k), (bool, str)) or _is_num(search.get(k)))
+    proposal = p.get("proposal")
+    if isinstance(proposal, dict):
+        fields.update(proposal_attn=frozenset(_ints(proposal.get("attn"))),
+                      proposal_mlp=frozenset(_ints(proposal.get("mlp"))), has_proposal=True)
+    window = p.get("window")
+    if isinstance(window, list):
+        fields["window"] = tuple(_ints(level) for level in window if isinstance(level, list))
     exit_info = p.get("exit")
     if isinstance(exit_info, dict):
         if isinstance(exit_info.get("reason"), str):
@@ -161,7 +182,7 @@ def parse_internals(payload: dict[str, Any], run_wide: dict[str, Any] | None = N
         if _is_num(exit_info.get("threshold")):
             fields["exit_threshold"] = float(exit_info["threshold"])
         fields["confidences"] = _nums(exit_info.get("confidences"))
-    for key in ("draft_len", "ngram"):
+    for key in ("draft_len", "ngram", "harvested"):
         if _is_int(p.get(key)):
             fields[key] = p[key]
     fields["timings"] = tuple((k, float(v)) for k, v in p.items() if k.endswith("_ms") and _is_num(v))

@@ -1,0 +1,121 @@
+"""Draft & Verify: the offline search's objective, its disk cache per model, and the run that uses its set.
+
+Losslessness with the presets (greedy on tiny and embedded models, sampling) is in test_lossless.py.
+"""
+
+import json
+
+import pytest
+import torch
+
+from helpers import assert_greedy_identical, tiny_model
+from specgui import cli, decode, methods
+from specgui.costs import CostProfile
+from specgui.costs import profile_for as costs_for
+from specgui.errors import SpecGUIError
+from specgui.methods import dv
+from specgui.runner import SkipPlan
+
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+QUICK = {"iterations": 6, "init_points": 3, "calibration": "chat-001,code-001", "calibration_tokens": 10,
+         "max_draft": 3, "policy": "fixed"}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def deep_lm():
+    return tiny_model(layers=6, init=0.3, seed=7)
+
+
+def test_predicted_speedup_weighs_acceptance_against_draft_and_verify_cost():
+    costs = dv.Costs(attn=(0.01,) * 100, mlp=(0.02,) * 100, verify=(1.0, 1.1, 1.2, 1.6))
+    assert dv.predicted_speedup(0.0, 0.5, costs) == pytest.approx((1 / (0.5 + 1.1), 1))  # nothing accepted
+    speedup, k = dv.predicted_speedup(0.9, 0.3, costs)
+    expected = max(((1 - 0.9 ** (j + 1)) / 0.1 / (j * 0.3 + costs.verify[j]), j) for j in (1, 2, 3))
+    assert (speedup, k) == pytest.approx(expected) and k == 2  # a 4-token verify costs too much
+    assert costs.draft(SkipPlan(attn=frozenset({0, 1}), mlp=frozenset({2}))) == pytest.approx(1 - 0.02 - 0.02)
+    assert costs.draft(SkipPlan(attn=frozenset(range(100)), mlp=frozenset(range(100)))) == 0.02  # floor
+
+
+def test_costs_come_from_the_profile_relative_and_never_fall_with_more_tokens():
+    profile = CostProfile(key={}, sizes=[1, 2, 4, 8], contexts=[16, 64], forward=[[10, 10, 14, 12], [12, 12, 16, 20]],
+                          step=11.0, attn=[2.0, 3.0], mlp=[3.0, 3.0], head=0.5)
+    costs = dv.Costs.of(profile, context=64, max_draft=4)
+    assert costs.attn == (0.2, 0.3) and costs.mlp == (0.3, 0.3) and costs.floor == 0.05
+    plain = 12 + 1  # the forward at context 64 plus the loop's 1 ms
+    assert costs.verify == pytest.approx((1.0, 1.0, 15 / plain, 17 / plain, 18 / plain))  # 1 .. K + 1 tokens
+    assert costs.draft(SkipPlan(attn=frozenset({1}), mlp=frozenset({0}))) == pytest.approx(0.4)
+    assert costs.draft(SkipPlan(attn=frozenset({0, 1}), mlp=frozenset({0, 1}))) == 0.05  # the head stays
+
+
+def test_calibration_is_the_full_models_greedy_text(deep_lm):
+    with torch.no_grad():
+        sample = dv.calibrate(deep_lm.runner, deep_lm.tokenizer, ["code-001"], 8)[0]
+    assert sample.cache.get_seq_length(0) == sample.prefix  # only the prompt's keys stay
+    from specgui.prompts import load_prompts
+    from specgui.text import encode_prompt
+
+    row = next(r for r in load_prompts(dv.CALIBRATION_PROMPTS) if r.id == "code-001")
+    prompt = encode_prompt(deep_lm.tokenizer, row.preview, chat=False)
+    base = decode.run(deep_lm, prompt, "baseline", max_new_tokens=8)
+    assert sample.text == base.token_ids
+
+
+def test_unknown_calibration_prompt_is_refused(deep_lm, cache_dir):
+    with pytest.raises(SpecGUIError, match="no prompt nope"):
+        decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4, params={**QUICK, "calibration": "nope"})
+
+
+def test_search_scores_probes_random_and_bayesian_sets_and_keeps_the_best(deep_lm):
+    params = methods.params_for("dv", "tiny", "cpu", QUICK)
+    with torch.no_grad():
+        samples = dv.calibrate(deep_lm.runner, deep_lm.tokenizer, ["chat-001", "code-001"], 10)
+        costs = dv.Costs.of(costs_for(deep_lm, fast_path=False), samples[0].prefix, params.max_draft)
+        found = dv.search(deep_lm.runner, samples, params, costs)
+    assert found.iterations == 3 + 3 + 6  # three probes, the random start, the Bayesian steps
+    assert found.trace == sorted(found.trace) and found.objective == found.trace[-1]
+    assert found.attn or found.mlp
+    assert 0.0 <= found.matchness <= 1.0 and found.draft_cost == pytest.approx(costs.draft(found.plan), abs=0.2)
+
+
+def test_search_runs_once_per_model_then_comes_from_the_disk_cache(deep_lm, cache_dir):
+    first = decode.run(deep_lm, PROMPT, "dv", max_new_tokens=20, params=QUICK)
+    found = first.events[1].payload
+    assert found["search"]["cached"] is False and found["search"]["iterations"] == 12
+    files = list((cache_dir / "skipsets").glob("dv-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["attn"] == found["skip"]["attn"]
+    second = decode.run(deep_lm, PROMPT, "dv", max_new_tokens=20, params=QUICK)
+    assert second.events[1].payload == {**found, "search": {**found["search"], "cached": True}}
+    assert second.token_ids == first.token_ids
+    for step in second.steps:
+        assert step.payload["skip"] == (found["skip"] if step.drafted else {"attn": [], "mlp": []})
+
+    def cached(lm):
+        return decode.run(lm, PROMPT, "dv", max_new_tokens=4, params=QUICK).events[1].payload["search"]["cached"]
+
+    assert cached(tiny_model(layers=6, init=0.3, seed=8)) is False  # same shape, other weights: its own search
+    files[0].write_text("{not json")  # a damaged file is searched again
+    assert cached(deep_lm) is False
+    assert len(list((cache_dir / "skipsets").glob("dv-*.json"))) == 2
+
+
+def test_a_search_setting_has_its_own_cache_entry(deep_lm, cache_dir):
+    a = dv.cache_path(deep_lm.runner, methods.params_for("dv", "tiny", "cpu", QUICK))
+    b = dv.cache_path(deep_lm.runner, methods.params_for("dv", "tiny", "cpu", {**QUICK, "iterations": 7}))
+    c = dv.cache_path(deep_lm.runner, methods.params_for("dv", "tiny", "cpu", {**QUICK, "exit_step": 0.5}))
+    assert a != b and a == c  # the exit rule does not change the search
+
+
+def test_greedy_identical_with_the_searched_set(deep_lm, cache_dir):
+    prompts = [PROMPT, [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
+    assert_greedy_identical(deep_lm, "dv", prompts, max_new_tokens=40, params=QUICK)
+
+
+def test_cli_checks_search_settings_before_loading_a_model(capsys):
+    assert cli.main(["dv-search", "--param", "iterations=-1"]) == 2
+    assert "iterations must be >= 0" in capsys.readouterr().err
