@@ -189,6 +189,13 @@ def bench(
     return report_json(lm, rows, entries, runs, settings, noise=noise, profile=profile, complete=True)
 
 
+def _profile_json(profile: CostProfile) -> dict[str, Any]:
+    """The profile as JSON; its file as "file", since a "path" key makes gradio's client fetch it as an upload."""
+    data = dataclasses.asdict(profile)
+    data["file"] = data.pop("path")
+    return data
+
+
 def _divergence(run: Run, base: Run, noise: float) -> dict[str, Any] | None:
     found = first_divergence(run.tokens, base.tokens, base.margins, noise)
     return None if found is None else dataclasses.asdict(found)
@@ -241,7 +248,7 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
         "model": lm.name, "device": str(lm.runner.device), "dtype": str(lm.runner.dtype).removeprefix("torch."),
         "fast_path": profile.key["fast_path"], "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
         "sampling": sampling.to_dict(), "prompts": len(rows), "complete": complete, "logit_noise": noise,
-        "methods": {}, "categories": {}, "per_prompt": [], "profile": {}, "cost_profile": dataclasses.asdict(profile),
+        "methods": {}, "categories": {}, "per_prompt": [], "profile": {}, "cost_profile": _profile_json(profile),
         "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
     }
     for label in labels:

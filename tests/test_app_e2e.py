@@ -46,7 +46,8 @@ def test_generate_endpoint_streams_the_core_events_as_json(served, embedded_lm):
 
 def run_page(app: App, method: str, example: str | None = None, prompt: str = PROMPT, reuse: bool = False):
     values = app.panel.presets("SmolLM2-135M-Instruct", app.device)
-    return list(app.run("embedded", method, "greedy", 0.7, 1.0, None, TOKENS, example, prompt, 1, reuse, 8.0, *values))
+    return list(app.run("embedded", method, "greedy", 0.7, 1.0, None, TOKENS, example, prompt, 1, reuse, 8.0, "auto",
+                        *values))
 
 
 def test_page_run_streams_both_panes_then_the_summary(served):
@@ -62,7 +63,7 @@ def test_page_run_streams_both_panes_then_the_summary(served):
     last_method = max(i for i, u in enumerate(live) if app.m_tokens in u)
     assert last_method < first_baseline  # the method finished before baseline began (the race comes after)
     final = shown(updates)
-    assert "× per step: tau" in final[app.speedup] and "identical to baseline" in final[app.speedup]
+    assert "break-even tau" in final[app.speedup] and "identical to baseline" in final[app.speedup]
     assert final[app.status].endswith("done</div>") and final[app.step]["maximum"] >= 2
     assert f"{TOKENS}</b> tokens" in final[app.m_stats] and "sg-cell" in final[app.inspector]
     traces = [load_trace(path) for path in final[app.trace_out]]

@@ -52,13 +52,14 @@ def private_deployment(app, tiny_lm, monkeypatch):
 
 def page_run(app: App, prompt: str = PROMPT, *, model: str = MODEL, method: str = "pld", max_new=16,
              mode: str = "greedy", temperature=0.7, params: dict | None = None, repeats=1, reuse: bool = False,
-             speed=8.0):
+             speed=8.0, fast_path="auto"):
     """The Run button's handler (a generator of updates) with the page's other inputs at their defaults."""
     values = app.panel.presets(MODEL, app.device)
     for i, key in enumerate(app.panel.keys):
         if key[0] == method and key[1] in (params or {}):
             values[i] = params[key[1]]
-    return app.run(model, method, mode, temperature, 1.0, None, max_new, None, prompt, repeats, reuse, speed, *values)
+    return app.run(model, method, mode, temperature, 1.0, None, max_new, None, prompt, repeats, reuse, speed,
+                   fast_path, *values)
 
 
 def run_page(app: App, prompt: str = PROMPT, **kw) -> list[dict]:
@@ -199,7 +200,7 @@ def test_the_api_page_lists_only_generate_compare_and_replay_with_named_paramete
     named = {name: [p["parameter_name"] for p in endpoint["parameters"]]
              for name, endpoint in info["named_endpoints"].items()}
     assert named == {"/generate": ["prompt", "method", "max_new_tokens", "temperature"],
-                     "/compare": ["methods", "category", "prompts_per_category", "max_new_tokens", "repeats"],
+                     "/compare": ["methods", "category", "prompts_per_category", "max_new_tokens", "repeats", "preset"],
                      "/replay": ["trace", "speed"]}
     assert list(named) == ["/generate", "/compare", "/replay"] and not info["unnamed_endpoints"]
 
@@ -219,7 +220,7 @@ def test_a_run_shows_the_verdict_then_races_both_runs_at_their_recorded_pace(app
     replayed = [u[app.m_stats] for u in updates[verdict + 1:] if app.m_stats in u]
     assert "waiting" in replayed[0] and "<b>16</b> tokens" in replayed[-1]  # the panes filled again
     final = shown(updates)
-    assert "× per step: tau" in final[app.speedup] and "one run: no noise range" in final[app.speedup]
+    assert "break-even tau" in final[app.speedup] and "one run: no noise range" in final[app.speedup]
     assert "baseline: fresh run" in final[app.speedup]
 
 
@@ -252,6 +253,15 @@ def test_bad_repeats_and_race_speeds_are_one_line(app):
     assert "repeats must be a whole number from 1 to 5" in error_line(app, run_page(app, repeats=9))
     assert "repeats must be a whole number" in error_line(app, run_page(app, repeats=1.5))
     assert "replay speed must be a number" in error_line(app, run_page(app, speed="fast"))
+
+
+def test_the_fast_path_setting_applies_to_both_runs_and_is_checked(app):
+    pair = shown(run_page(app, fast_path="on"))[app.views]  # on a CPU too: the same buffers, called directly
+    assert pair["method"].start.fast_path and pair["baseline"].start.fast_path
+    assert pair["method"].summary.token_ids == pair["baseline"].summary.token_ids
+    off = shown(run_page(app, fast_path="off"))[app.views]
+    assert not off["method"].start.fast_path and off["method"].summary.token_ids == pair["method"].summary.token_ids
+    assert "fast path must be one of auto, on, off" in error_line(app, run_page(app, fast_path="fastest"))
 
 
 def test_downloaded_traces_are_named_by_method_prompt_and_time(app):

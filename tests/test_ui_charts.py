@@ -1,5 +1,7 @@
 """Views -> plotly figures: each chart's data is the events' numbers, nothing else."""
 
+import dataclasses
+
 import pytest
 from ui_helpers import prefill, run, start, step
 
@@ -55,6 +57,20 @@ def test_phase_times_are_the_steps_milliseconds():
     t = traces(charts.phase_times(view))
     assert list(t["draft"].y) == [2.0, 1.0] and list(t["verify"].y) == [40.0, 50.0]
     assert list(t["overhead"].y) == [0.5, 0.5]
+
+
+def test_cost_profile_draws_the_measured_curve_the_plain_step_and_the_runs_verifies():
+    costs = {"sizes": [1, 2, 4], "contexts": [128, 1024], "forward": [[30.0, 32.0, 50.0], [35.0, 37.0, 60.0]],
+             "step": 31.0, "loop": 1.0, "device": "cpu"}
+    view = view_of(run(dataclasses.replace(start(), costs=costs), prefill(), step(1, [11, 12], [0], 13),
+                       step(2, [], [], 14)))
+    fig = charts.cost_profile(view)
+    curves = traces(fig)
+    assert list(curves["forward, 128 cached"].y) == [30.0, 32.0, 50.0]
+    assert list(curves["forward, 1024 cached"].x) == [1, 2, 4]
+    assert list(curves["this run's verifies"].x) == [s.forward_tokens for s in view.steps] == [3, 1]
+    assert fig.layout.shapes[0].y0 == 31.0  # the plain step
+    assert "no cost profile" in str(charts.cost_profile(view_of(run(start(), prefill()))).layout.annotations[0].text)
 
 
 def test_race_plots_tokens_against_decoding_time_for_both_runs():

@@ -1,5 +1,7 @@
 """Events -> view: token kinds and placement, running totals, method payloads (checked), the comparison."""
 
+import dataclasses
+
 import pytest
 from ui_helpers import prefill, run, start, step
 
@@ -202,8 +204,19 @@ def test_why_decomposes_the_speedup_exactly_into_tau_and_step_cost():
     assert reason.per_step == pytest.approx(method_rate / (1 / 50.0))
     assert reason.overall == pytest.approx(method.tokens_per_s / baseline.tokens_per_s)
     assert reason.lost is None
+    assert reason.predicted is None  # hand-made steps carry no cost-model price
     assert reason.sentence().startswith("1.86× per step: tau 3.00; a step costs 1.61 plain steps (draft 0.50, "
-                                        "verify of 3 tokens 1.10, other 0.01).")
+                                        "verify of 3 tokens 1.10, other 0.01); break-even tau 1.61.")
+
+
+def test_why_says_what_the_cost_model_predicted():
+    priced = [dataclasses.replace(step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)), predicted_ms=75.0,
+                                  plain_ms=50.0) for i in range(4)]
+    reason = why(_timed("pld", priced), _timed("baseline", _plain(12)))
+    summary = _timed("pld", priced).summary
+    assert reason.predicted == pytest.approx(summary.plain_s / summary.predicted_s)
+    assert reason.predicted > 1.5  # 4 steps priced at 75 ms against 12 plain steps of 50 ms, and the prompt
+    assert reason.sentence().startswith(f"1.86× per step (predicted {reason.predicted:.2f}×): tau 3.00;")
     assert f"Counting the prompt forward: {reason.overall:.2f}× overall." in reason.sentence()
 
 

@@ -107,6 +107,31 @@ def phase_times(view: RunView) -> go.Figure:
     return _layout(fig, title, "step", "ms", barmode="stack", bargap=0.15)
 
 
+def cost_profile(view: RunView) -> go.Figure:
+    """The cost model's measured forward curve (ms against tokens per forward, per context) and the plain step,
+    with this run's verify forwards as measured: where the run's steps sit on the curve it was sized by."""
+    title = "Cost profile: ms per forward"
+    curve = view.start.costs if view.start is not None else {}
+    sizes, forward = curve.get("sizes"), curve.get("forward")
+    if not (isinstance(sizes, list) and isinstance(forward, list) and sizes and forward):
+        return _empty(title, "no cost profile in this run")
+    fig = go.Figure()
+    for context, row in zip(curve.get("contexts", []), forward):
+        if isinstance(row, list) and len(row) == len(sizes):
+            fig.add_trace(go.Scatter(x=sizes, y=row, name=f"forward, {context} cached", mode="lines+markers"))
+    step = curve.get("step")
+    if isinstance(step, (int, float)) and step > 0:
+        fig.add_hline(y=step, line_dash="dash", line_color=COLORS["baseline"],
+                      annotation_text=f"plain step {step:.1f} ms", annotation_position="top left")
+    if view.steps:
+        fig.add_trace(go.Scatter(x=[s.forward_tokens for s in view.steps], y=[s.verify_ms for s in view.steps],
+                                 name="this run's verifies", mode="markers",
+                                 marker={"color": COLORS["method"], "size": 9, "opacity": 0.6}))
+    fig = _layout(fig, title, "tokens per forward", "ms")
+    fig.update_xaxes(type="log")
+    return fig
+
+
 def race_span(method: RunView, baseline: RunView) -> tuple[float, int]:
     """The race's axes (seconds, tokens): fixed while it replays, so the lines grow across a still frame."""
     return (max(method.seconds, baseline.seconds, 0.1), max(method.new_tokens, baseline.new_tokens, 1))

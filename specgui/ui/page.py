@@ -38,7 +38,7 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import ASSETS_DIR, hosting, methods, papers
+from specgui import ASSETS_DIR, fastpath, hosting, methods, papers
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.events import MAX_TRACE_BYTES, Event, load_trace, loads_trace, save_trace, to_json
@@ -106,6 +106,12 @@ def _whole(value: Any, what: str, low: int, high: int) -> int:
     if not x.is_integer() or not low <= x <= high:
         raise SpecGUIError(f"{what} must be a whole number from {low} to {high}, got {str(value)[:40]}")
     return int(x)
+
+
+def _fast_path(mode: Any) -> str:
+    if mode not in fastpath.MODES:
+        raise SpecGUIError(f"fast path must be one of {', '.join(fastpath.MODES)}, got {mode!r}")
+    return str(mode)
 
 
 def _speed(value: Any) -> float:
@@ -215,7 +221,9 @@ class App:
                 with gr.Row(elem_id="sg-charts"):
                     self.c_accept = gr.Plot(charts.accepted_per_step(RunView()), show_label=False)
                     self.c_phase = gr.Plot(charts.phase_times(RunView()), show_label=False)
-                self.c_skip = gr.Plot(charts.skip_heatmap(RunView()), show_label=False, elem_id="sg-skip-chart")
+                with gr.Row(elem_id="sg-more-charts"):
+                    self.c_skip = gr.Plot(charts.skip_heatmap(RunView()), show_label=False, elem_id="sg-skip-chart")
+                    self.c_cost = gr.Plot(charts.cost_profile(RunView()), show_label=False, elem_id="sg-cost-chart")
         self.views = gr.State(None)
         self._wire_live()
 
@@ -235,6 +243,9 @@ class App:
                 self.seed = gr.Number(None, precision=0, label="Seed (empty: random)")
             self.max_new = gr.Slider(1, controls.max_new_tokens_cap(), step=1, elem_id="sg-max-new",
                                      value=first.max_new_tokens, label="Max new tokens")
+        self.fast_path = gr.Radio(list(fastpath.MODES), value="auto", label="Fast path", elem_id="sg-fast-path",
+                                  info="static KV cache, bucketed forwards, CUDA graphs; auto = on a GPU only. "
+                                       "Both runs use it alike")
         self.reuse_baseline = gr.Checkbox(False, label="Reuse a cached baseline", elem_id="sg-reuse-baseline",
                                           info="faster; its timing is from an earlier run (its age is shown). "
                                                "Off: a fresh baseline every run")
@@ -260,7 +271,7 @@ class App:
         self.show_rejected.change(None, self.show_rejected, None, js=HIDE_REJECTED_JS, queue=False)
         self.stage.change(None, self.stage, None, js=STAGE_TOGGLE_JS, queue=False)
         inputs = [self.model, self.method, self.mode, self.temperature, self.top_p, self.seed, self.max_new,
-                  self.example, self.prompt, self.repeats, self.reuse_baseline, self.race_speed,
+                  self.example, self.prompt, self.repeats, self.reuse_baseline, self.race_speed, self.fast_path,
                   *self.panel.components]
         queued = {"concurrency_id": "model", "concurrency_limit": 1, "show_progress": "minimal",
                   "show_progress_on": self.status, "api_visibility": "private"}  # status shows "queue: i/n"
@@ -304,7 +315,7 @@ class App:
     def _outputs(self) -> list[Any]:
         return [self.status, self.legend, self.m_title, self.m_stats, self.m_tokens, self.b_title, self.b_stats,
                 self.b_tokens, self.speedup, self.summary, self.step, self.inspector, self.c_accept, self.c_race,
-                self.c_skip, self.c_phase, self.views, self.trace_out]
+                self.c_skip, self.c_phase, self.c_cost, self.views, self.trace_out]
 
     # -- small handlers -------------------------------------------------------------------------------
 
@@ -362,7 +373,7 @@ class App:
 
     def run(self, model: str, method: str, mode: str, temperature: float, top_p: float, seed: float | None,
             max_new: float, example: str | None, prompt: str, repeats: float, reuse_baseline: bool,
-            race_speed: float, *params: Any, session: str = "local") -> Iterator[dict]:
+            race_speed: float, fast_path: str, *params: Any, session: str = "local") -> Iterator[dict]:
         """Live: the method, then baseline, `repeats` times in turn, streamed into the panes; the verdict; the race."""
         try:
             model = self._checked_model(model)
@@ -373,7 +384,8 @@ class App:
                              self.examples.get(example or "")), max_new_tokens=n,
                              sampling=controls.sampling_from(mode, temperature, top_p, seed),
                              params=overrides, model=model, prompt_text=prompt,
-                             repeats=_whole(repeats, "repeats", 1, MAX_REPEATS), reuse_baseline=bool(reuse_baseline))
+                             repeats=_whole(repeats, "repeats", 1, MAX_REPEATS), reuse_baseline=bool(reuse_baseline),
+                             fast_path=_fast_path(fast_path))
             speed = _speed(race_speed)
         except Exception as exc:
             yield {self.status: render.status(_failure(exc), "error")}
@@ -502,7 +514,7 @@ class App:
 
     def _method_charts(self, view: RunView) -> dict:
         return {self.c_accept: charts.accepted_per_step(view), self.c_skip: charts.skip_heatmap(view),
-                self.c_phase: charts.phase_times(view)}
+                self.c_phase: charts.phase_times(view), self.c_cost: charts.cost_profile(view)}
 
     def _final(self, pairs: list[Pair], token_text: TokenText | None) -> tuple[dict, Pair, bool]:
         """The verdict over every repeat: the median speedup and range, the why line and the details of the

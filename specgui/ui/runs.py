@@ -73,6 +73,7 @@ class RunRequest:
     prompt_text: str = ""
     repeats: int = 1  # method / baseline pairs, run in turn
     reuse_baseline: bool = False  # take baseline's events from the cache when it holds them
+    fast_path: str = "auto"  # static cache + bucketed forwards (+ CUDA graphs): auto = on a GPU (`specgui.fastpath`)
 
 
 class ModelStore:
@@ -118,8 +119,9 @@ class BaselineCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(lm: LoadedModel, ids: list[int], sampling: Sampling, max_new_tokens: int) -> tuple:
-        return (lm.name, str(lm.device), tuple(ids), tuple(sorted(sampling.to_dict().items())), max_new_tokens)
+    def key(lm: LoadedModel, ids: list[int], sampling: Sampling, max_new_tokens: int, fast_path: str = "auto") -> tuple:
+        return (lm.name, str(lm.device), tuple(ids), tuple(sorted(sampling.to_dict().items())), max_new_tokens,
+                fast_path)
 
     def get(self, key: tuple) -> tuple[list[Event], float] | None:
         with self._lock:
@@ -232,7 +234,8 @@ def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequ
     params = request.params if method == request.method else None
     return lambda should_stop: gpu_decode(lm, ids, method, max_new_tokens=request.max_new_tokens,
                                           sampling=request.sampling, params=params,
-                                          prompt_text=request.prompt_text, should_stop=should_stop)
+                                          prompt_text=request.prompt_text, fast_path=request.fast_path,
+                                          should_stop=should_stop)
 
 
 def fit_context(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> tuple[int, str]:
@@ -262,7 +265,7 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
     if note:
         request = dataclasses.replace(request, max_new_tokens=max_new)
         yield Tick(status=note, note=note)
-    key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens)
+    key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens, request.fast_path)
     with store.busy:
         for repeat in range(request.repeats):
             worker = Worker(decode_source(lm, ids, request.method, request), stop)

@@ -404,14 +404,16 @@ def median_index(speedups: list[float]) -> int:
 
 @dataclass(frozen=True)
 class Why:
-    """Why the speedup is what it is, from what the two runs measured (nothing is modelled or predicted).
+    """Why the speedup is what it is, from what the two runs measured, beside what the cost model predicted.
 
     Over the decode steps the speedup is exactly `tau / cost` (times baseline's tokens per step, 1 for plain
     decoding): tokens per method step over the method's time per step counted in plain steps (baseline's
     time per step). The cost splits into the draft, the verify forward (over `forward_tokens` tokens on
     average) and `other` (acceptance, cache cropping, the method's bookkeeping). `overall` is the measured
-    tokens/s ratio, which also counts each run's prompt forward. A predicted speedup (the cost model) can
-    join these fields; `why` is the one place that builds them.
+    tokens/s ratio, which also counts each run's prompt forward. The break-even tau is `cost`: the tokens a
+    step must yield to pay for itself. `predicted` is the cost model's speedup for the method's run
+    (`Summary.predicted_speedup`: its steps priced by the measured profile), None when it has none.
+    `why` is the one place that builds these fields.
     """
 
     tau: float
@@ -424,9 +426,11 @@ class Why:
     overall: float
     lost: str | None  # on a losing run, the term that lost
     noise_check: bool = False  # baseline against itself: any difference from 1x is the machine's noise
+    predicted: float | None = None
 
     def sentence(self) -> str:
-        """E.g. '1.31× per step: tau 2.10; a step costs 1.60 plain steps (draft 0.50, verify of 6 tokens 1.10).'"""
+        """E.g. '1.31× per step (predicted 1.35×): tau 2.10; a step costs 1.60 plain steps (draft 0.50, verify of
+        6 tokens 1.10); break-even tau 1.60.'"""
         if self.noise_check:
             return (f"The same decode timed twice: {self.overall:.2f}× ({self.per_step:.2f}× per step). "
                     f"Its distance from 1.00× is this machine's timing noise.")
@@ -434,8 +438,9 @@ class Why:
         tokens = _count(self.forward_tokens)
         parts.append(f"verify of {tokens} token{'' if tokens == '1' else 's'} {self.verify:.2f}")
         parts += [f"other {self.other:.2f}"] if self.other >= 0.005 else []
-        text = (f"{self.per_step:.2f}× per step: tau {self.tau:.2f}; a step costs {self.cost:.2f} plain steps "
-                f"({', '.join(parts)}).")
+        predicted = f" (predicted {self.predicted:.2f}×)" if self.predicted else ""
+        text = (f"{self.per_step:.2f}× per step{predicted}: tau {self.tau:.2f}; a step costs {self.cost:.2f} plain "
+                f"steps ({', '.join(parts)}); break-even tau {self.cost:.2f}.")
         if self.lost:
             text += f" Lost: {self.lost}."
         if f"{self.overall:.2f}" != f"{self.per_step:.2f}":
@@ -467,8 +472,9 @@ def why(method: RunView, baseline: RunView) -> Why | None:
     forward = sum(s.forward_tokens for s in method.steps) / n
     noise_check = method.method == "baseline"
     lost = _lost(method, draft, verify - 1, other, forward) if tau < cost and not noise_check else None
+    predicted = method.summary.predicted_speedup if method.summary else None
     return Why(tau, tau / cost, cost, draft, verify, other, forward, method.tokens_per_s / baseline.tokens_per_s, lost,
-               noise_check)
+               noise_check, predicted)
 
 
 def _lost(method: RunView, draft: float, extra_verify: float, other: float, forward: float) -> str:
