@@ -56,10 +56,16 @@ def bucket(rows: int) -> int | None:
     return next((b for b in BUCKETS if b >= rows), None)
 
 
-def resolve(mode: str, runner: Runner) -> bool:
-    """Whether a run uses the fast path: `auto` means on a CUDA GPU; `on` anywhere it can run."""
+def checked(mode: object) -> str:
+    """`mode` if it names a fast-path mode; else a one-line error (front ends check before queueing a run)."""
     if mode not in MODES:
         raise SpecGUIError(f"fast path must be one of {', '.join(MODES)}, got {mode!r}")
+    return str(mode)
+
+
+def resolve(mode: str, runner: Runner) -> bool:
+    """Whether a run uses the fast path: `auto` means on a CUDA GPU; `on` anywhere it can run."""
+    checked(mode)
     usable = runner.bool_masks and len(set(runner.layer_devices) | {runner.embed_device, runner.head_device}) == 1
     if mode == "auto":
         return usable and runner.device.type == "cuda"

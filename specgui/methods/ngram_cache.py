@@ -165,3 +165,16 @@ class CandidateTrie:
             nodes.append(child)
             node = child
         return nodes if grew else None
+
+
+def within(candidates: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The candidates as far as their nodes are among the trie's first `n` (a verify of only those): a parent
+    comes before its child, so what stays of each is a prefix; candidates with nothing left drop out."""
+    cut = [{**c, "nodes": [node for node in c["nodes"] if node < n]} for c in candidates]
+    return [c for c in cut if c["nodes"]]
+
+
+def hit(candidates: list[dict[str, Any]], path: list[int]) -> dict[str, int]:
+    """Which candidate a non-empty accepted `path` (trie nodes) followed, and how many of its tokens were accepted."""
+    index = next(i for i, c in enumerate(candidates) if c["nodes"][: len(path)] == list(path))
+    return {"candidate": index, "tokens": len(path)}

@@ -38,7 +38,7 @@ from specgui.costs import time_ms
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.ngram_cache import CandidateTrie, CorpusCache, NgramCache, load_corpus
+from specgui.methods.ngram_cache import CandidateTrie, CorpusCache, NgramCache, hit, load_corpus, within
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 
@@ -116,8 +116,7 @@ class SelfDraft(Drafter):
                                     state.plain_ms(), found) if found else None
         n = sizing.size if sizing else 0
         self.verified, self.exhausted = n, n == found
-        self.candidates = [{**c, "nodes": [x for x in c["nodes"] if x < n]} for c in candidates]
-        self.candidates = [c for c in self.candidates if c["nodes"]]
+        self.candidates = within(candidates, n)
         self.fed = self._choose_branches(self._room(state, n)) if depth > 0 else {}
         info: dict[str, Any] = {"branches": list(self.fed.values()), "candidates": self.candidates,
                                 "warmup": any(len(b) < self.params.branch_len for b in self.branches)}
@@ -195,8 +194,7 @@ class SelfDraft(Drafter):
         payload: dict[str, Any] = {"cache_sizes": {"context": len(self.context),
                                                    "corpus": len(self.corpus) if self.corpus else 0}}
         if outcome.path:
-            hit = next(i for i, c in enumerate(self.candidates) if c["nodes"][: len(outcome.path)] == outcome.path)
-            payload["hit"] = {"candidate": hit, "tokens": len(outcome.path)}
+            payload["hit"] = hit(self.candidates, outcome.path)
         return payload
 
     def _advance_branches(self, predicted: list[int]) -> None:

@@ -108,12 +108,6 @@ def _whole(value: Any, what: str, low: int, high: int) -> int:
     return int(x)
 
 
-def _fast_path(mode: Any) -> str:
-    if mode not in fastpath.MODES:
-        raise SpecGUIError(f"fast path must be one of {', '.join(fastpath.MODES)}, got {mode!r}")
-    return str(mode)
-
-
 def _speed(value: Any) -> float:
     speed = controls.number(value, "replay speed")
     if speed <= 0:
@@ -385,7 +379,7 @@ class App:
                              sampling=controls.sampling_from(mode, temperature, top_p, seed),
                              params=overrides, model=model, prompt_text=prompt,
                              repeats=_whole(repeats, "repeats", 1, MAX_REPEATS), reuse_baseline=bool(reuse_baseline),
-                             fast_path=_fast_path(fast_path))
+                             fast_path=fastpath.checked(fast_path))
             speed = _speed(race_speed)
         except Exception as exc:
             yield {self.status: render.status(_failure(exc), "error")}
