@@ -38,7 +38,7 @@ import torch
 
 from specgui.draft import Draft, Extras, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.ngram_cache import CandidateTrie, NgramCache
+from specgui.methods.ngram_cache import CandidateTrie, NgramCache, hit, within
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 
@@ -117,9 +117,7 @@ class Lookahead(Drafter):
         sizing = self.policy.choose(lambda n: state.verify_ms(1 + window + n), state.plain_ms(), len(trie.tokens))
         size = sizing.size if trie.tokens else 0
         self.drafted, self.exhausted = size, len(trie.tokens) < sizing.size or not trie.tokens
-        # a candidate rides as far as its nodes are among the first `size` (a parent comes before its child)
-        self.candidates = [{**c, "nodes": [n for n in c["nodes"] if n < size]} for c in candidates
-                           if c["nodes"][0] < size]
+        self.candidates = within(candidates, size)
         extras = self._extras(state.committed, size) if self.fed else None
         info = {"window": self.fed or [], "warmup": not self.filled, "candidates": self.candidates,
                 "plan": sizing.to_dict()}
@@ -149,8 +147,7 @@ class Lookahead(Drafter):
             self._index_text(state.tokens)
         payload: dict[str, Any] = {"cache_sizes": {"pool": len(self.pool)}, "harvested": harvested}
         if outcome.path:
-            hit = next(i for i, c in enumerate(self.candidates) if c["nodes"][: len(outcome.path)] == outcome.path)
-            payload["hit"] = {"candidate": hit, "tokens": len(outcome.path)}
+            payload["hit"] = hit(self.candidates, outcome.path)
         return payload
 
     def _advance(self, guesses: list[int]) -> int:
