@@ -115,8 +115,8 @@ class Lookahead(Drafter):
         self.fed = [[state.pending, *self.levels[0]], *self.levels[1:]] if depth > 0 else None
         window = sum(len(level) for level in self.fed) - 1 if self.fed else 0
         sizing = self.policy.choose(lambda n: state.verify_ms(1 + window + n), state.plain_ms(), len(trie.tokens))
-        size = sizing.size if trie.tokens else 0
-        self.drafted, self.exhausted = size, len(trie.tokens) < sizing.size or not trie.tokens
+        size = sizing.size  # 0 when the pool offered nothing
+        self.drafted, self.exhausted = size, size == len(trie.tokens)  # a larger size would verify the same
         self.candidates = within(candidates, size)
         extras = self._extras(state.committed, size) if self.fed else None
         info = {"window": self.fed or [], "warmup": not self.filled, "candidates": self.candidates,
