@@ -53,11 +53,23 @@ def test_the_choice_follows_what_extra_rows_cost():
 
 def test_pauses_double_between_probes_and_drafting_resumes_when_it_pays():
     policy = DraftPolicy([1, 2], max_pause=8)
-    losing = lambda n: 30.0  # noqa: E731  (no draft can pay at 30 ms against a 10 ms plain step)
+    for _ in range(40):
+        policy.learn(path=[], verified=2, exhausted=False)  # nothing accepted lately
+    losing = lambda n: 15.0  # noqa: E731  (at this acceptance no draft pays; a fully accepted one would)
     modes = [policy.choose(losing, 10.0).mode for _ in range(17)]
     assert modes == ["paused", "probe", "paused", "paused", "probe", *["paused"] * 4, "probe", *["paused"] * 7]
     assert policy.choose(lambda n: 10.0, 10.0).mode == "draft"  # cheap again: drafts at once, pauses reset
     assert policy.pause == 1
+
+
+def test_no_probes_where_even_the_priors_acceptance_would_lose():
+    policy = DraftPolicy([1, 2])
+    for _ in range(40):
+        policy.learn(path=[], verified=2, exhausted=False)  # nothing accepted lately
+    plans = [policy.choose(lambda n: 30.0, 10.0) for _ in range(20)]  # 30 ms a step: pays only above 2 tokens
+    assert {p.mode for p in plans} == {"paused"}
+    assert plans[0].prior == pytest.approx((1 + PRIOR_ALPHA + PRIOR_ALPHA**2) * 10 / 30)
+    assert "probe" in {policy.choose(lambda n: 12.0, 10.0).mode for _ in range(20)}  # cheaper: worth probing
 
 
 def test_fixed_policy_always_drafts_the_largest_size():
@@ -102,7 +114,7 @@ def test_every_sized_method_obeys_the_profile_and_stays_lossless(tiny_lm, method
     """Where verifying more rows costs nothing the policy drafts; where every row costs a forward it pauses.
     Either way the output is plain decoding's."""
     monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))  # dv's searched skip set stays in the test's folder
-    cheap = profile([10.0] * 64, unit=1.2)
+    cheap = profile([10.0] * 64, unit=4.0)  # a draft token that skips one sub-layer costs 0.6 of a forward
     dear = profile([10.0 * (1 + i) for i in range(64)], unit=0.0)
     params = QUICK.get(method, {})
     base = baseline_run(tiny_lm, PROMPT, 40).token_ids

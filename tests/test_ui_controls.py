@@ -75,6 +75,15 @@ def test_presets_name_a_registered_method_and_a_suite_prompt_each():
     assert len({p.method for p in presets}) == len(presets)  # one per method
     assert set(p.method for p in presets) == set(methods.names())
     assert all(p.max_new_tokens <= controls.max_new_tokens_cap() and p.name for p in presets)
+    assert {p.method for p in presets if p.params.get("policy") == "fixed"} >= {"clasp", "admg", "fractal"}
+
+
+def test_a_preset_sets_its_methods_parameters_over_the_configs_ones(panel):
+    values = panel.presets("SmolLM2", "cpu", "clasp", {"policy": "fixed"})
+    chosen = dict(zip(panel.keys, values))
+    assert chosen[("clasp", "policy")] == "fixed" and chosen[("admg", "policy")] == "cost"
+    plain = dict(zip(panel.keys, panel.presets("SmolLM2", "cpu")))
+    assert chosen[("clasp", "skip_fraction")] == plain[("clasp", "skip_fraction")]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -83,6 +92,8 @@ def test_presets_name_a_registered_method_and_a_suite_prompt_each():
     ("- {name: x, method: pld, prompt: qa-99, max_new_tokens: 8}", "no suite prompt with id 'qa-99'"),
     ("- {name: x, method: pld, prompt: qa-01, max_new_tokens: 0}", "max_new_tokens must be an integer"),
     ("- {name: x, method: pld}", "needs text fields name, method and prompt"),
+    ("- {name: x, method: pld, prompt: qa-01, max_new_tokens: 8, params: {num_draft: 99}}", "preset 1: .*num_draft"),
+    ("- {name: x, method: pld, prompt: qa-01, max_new_tokens: 8, params: [1]}", "params must be a mapping"),
 ])
 def test_a_bad_preset_file_is_refused_in_one_line(tmp_path, text, message):
     path = tmp_path / "demos.yaml"

@@ -4,8 +4,13 @@ After a verify forward, the hidden states of the last accepted token after every
 full-model states, computed anyway. CLaSp's dynamic program (`specgui.methods.skipdp`) picks the M units to
 skip whose skipped model stays closest, by cosine, to those states; the next drafts use that set.
 Adjacent tokens want similar skip sets ("sparse persistence"), so the DP runs only every LOI verify
-steps, and only when drafting goes on (the back-off may have paused it). The first DP runs on the
-prompt's last token, from the prefill. Drafts stop at a token whose top-1 probability is below DET.
+steps. The first DP uses the prompt's last token, from the prefill. Drafts stop at a token whose top-1
+probability is below DET.
+
+The DP costs about a forward of M tokens, so it runs only where its set will draft: a due search waits for
+the next step the cost policy drafts in (on the states the last verify recorded, over the same cache: the
+same search the paper runs right after that verify). A probe after a pause reuses the standing set, stale
+or not; only the very first draft must search. The policy prices searches amortised over LOI steps.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from specgui.costs import time_ms
 from specgui.draft import Outcome
+from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState, register
 from specgui.methods.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
+from specgui.methods.policy import Plan
 from specgui.methods.skipdp import GRANULARITIES, HiddenRecorder, make_units, plan_for, search
 from specgui.params import param
 
@@ -44,33 +54,58 @@ class Clasp(LayerSkipDrafter):
         self.budget = max(1, min(len(self.units) - 1, round(self.params.skip_fraction * len(self.units))))
         self.recorder = HiddenRecorder()
         self.recording = True  # the prefill's states feed the first DP
-        self.since_dp = 0
-        self.dp_ms = 0.0
+        self.searched = False  # no skip set yet: the first draft searches
+        self.since_dp = 0  # verify steps since the last DP
+        self.anchor = (-1, state.prompt_len - 1)  # (block row, position) of the recorded last accepted token
+        key = f"clasp.search.{self.params.granularity}.{self.budget}"
+        self.dp_ms = state.profile.mechanism(key, lambda: self._search_ms(state)) if state.profile else 0.0
         return self.recorder
 
     def make_exit(self) -> ExitThreshold:
         return ExitThreshold(self.params.det)
 
+    def token_ms(self, state: DecodeState) -> float:
+        if self.searched or state.profile is None:
+            return super().token_ms(state)
+        # before the first search: a typical set of the same size, spread evenly over the stack
+        spread = [i * len(self.units) // self.budget for i in range(self.budget)]
+        return state.profile.skip_forward_ms(plan_for(self.units, spread), state.committed)
+
     def overhead_ms(self) -> float:
         return self.dp_ms / self.params.loi
 
-    def observer(self, drafting: bool) -> HiddenRecorder | None:
-        # record only where a DP may follow: a drafted step once the interval is up
-        self.recording = drafting and self.since_dp + 1 >= self.params.loi
-        return self.recorder if self.recording else None
-
-    def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
-        self.since_dp += 1
-        if not self.recording or state.max_depth == 0:
-            return {"reoptimized": False}
-        # the last accepted token: the prompt's last row after the prefill, else the verify block's row
-        row = -1 if outcome.prefill else outcome.last_row
-        position = state.committed - len(outcome.emitted) + len(outcome.path)
+    def prepare(self, state: DecodeState, plan: Plan) -> tuple[float, dict[str, Any]]:
+        due = not self.searched or (self.since_dp >= self.params.loi and plan.mode != "probe")
+        if not due:
+            return 0.0, {"reoptimized": False}
+        predicted = self.dp_ms
+        row, position = self.anchor
         start = time.perf_counter()
         found = search(self.runner, state.cache, position, self.recorder.row(row), self.units, self.budget)
         self.dp_ms = (time.perf_counter() - start) * 1000
         self.plan = plan_for(self.units, found.skipped)
-        self.since_dp = 0
-        self.recorder.states.clear()
-        payload = {"reoptimized": True, "dp_score": found.score, "dp_ms": self.dp_ms}
-        return {**payload, "skip": self.plan.to_dict()} if outcome.prefill else payload
+        self.searched, self.since_dp = True, 0
+        return predicted, {"reoptimized": True, "dp_score": found.score, "dp_ms": self.dp_ms}
+
+    def observer(self) -> HiddenRecorder | None:
+        # record only where the next step may search: the states are references, kept until then
+        self.recording = not self.searched or self.since_dp + 1 >= self.params.loi
+        return self.recorder if self.recording else None
+
+    def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if not outcome.prefill:
+            self.since_dp += 1
+        if self.recording and not outcome.prefill:
+            # the last accepted token: the verify block's row of the path's end (the pending token's if empty)
+            self.anchor = (outcome.last_row, state.committed - len(outcome.emitted) + len(outcome.path))
+        return {}
+
+    def _search_ms(self, state: DecodeState) -> float:
+        """One DP's ms on this model and device (the profile's `clasp.search...` mechanism), timed on a
+        32-token context built from the prompt's tokens: the DP's cost depends on the model, not the text."""
+        tokens = torch.tensor((state.tokens * 32)[:32])
+        cache, recorder = KVCache(), HiddenRecorder()
+        self.runner.forward(tokens, torch.arange(32), cache, observer=recorder, logits_rows=slice(31, 32))
+        hidden = recorder.row(31)
+        return time_ms(lambda: search(self.runner, cache, 31, hidden, self.units, self.budget), self.runner.device,
+                       repeats=3)

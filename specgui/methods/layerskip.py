@@ -25,7 +25,7 @@ import torch
 
 from specgui.draft import Draft, Outcome
 from specgui.methods.base import DecodeState, Drafter
-from specgui.methods.policy import SizedParams
+from specgui.methods.policy import Plan, SizedParams
 from specgui.params import param
 from specgui.runner import Observer, SkipPlan
 from specgui.sampling import probabilities
@@ -140,16 +140,26 @@ class LayerSkipDrafter(Drafter):
     def make_exit(self) -> ExitThreshold:
         raise NotImplementedError
 
+    def token_ms(self, state: DecodeState) -> float:
+        """The predicted ms of one draft token (a forward with the plan skipped)."""
+        return state.profile.skip_forward_ms(self.plan, state.committed) if state.profile else 1.0
+
     def overhead_ms(self) -> float:
-        """Drafting work outside the draft loop, per drafted step (CLaSp's amortized DP)."""
+        """Drafting work outside the draft loop, per drafted step (CLaSp's amortized skip-set search)."""
         return 0.0
 
+    def prepare(self, state: DecodeState, plan: Plan) -> tuple[float, dict[str, Any]]:
+        """Work before this step's draft, once the policy has chosen to draft (`plan`): its predicted ms and
+        payload. CLaSp searches its skip set here when one is due; nothing by default."""
+        return 0.0, {}
+
     def draft(self, state: DecodeState) -> Draft:
-        token_ms = state.profile.skip_forward_ms(self.plan, state.committed) if state.profile else 1.0
+        token_ms = self.token_ms(state)
         depth = min(self.params.max_draft, state.max_depth)
         sizing = self.policy.choose(lambda k: k * token_ms + self.overhead_ms() + state.verify_ms(1 + self.rows(k)),
                                     state.plain_ms(), depth)
         drafting = sizing.size > 0
+        prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})
         self.chain = (draft_chain(state, self.plan, sizing.size, self.exit.value, self.alternatives)
                       if drafting else None)
         shown = self.chain or Chain([], None, [], "paused" if depth > 0 else "budget")
@@ -157,9 +167,9 @@ class LayerSkipDrafter(Drafter):
         fields = self.proposal(shown)
         confidences = fields.pop("confidences", shown.confidences)
         info = {"skip": skipped.to_dict(), "draft_len": sizing.size, "plan": sizing.to_dict(),
-                "exit": {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}}
-        cost = len(shown.tokens) * token_ms + (self.overhead_ms() if drafting else 0.0)
-        return Draft(**fields, observer=self.observer(drafting), info=info, cost_ms=cost)
+                "exit": {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}, **prepared}
+        cost = len(shown.tokens) * self.token_ms(state) + prepared_ms
+        return Draft(**fields, observer=self.observer(), info=info, cost_ms=cost)
 
     alternatives = 0  # runner-up tokens `draft_chain` records per position (for `proposal`)
 
@@ -172,7 +182,7 @@ class LayerSkipDrafter(Drafter):
         probability of each node, for the inspector) when they differ from the chain's: the chain itself here."""
         return {"tokens": chain.tokens, "probs": chain.probs}
 
-    def observer(self, drafting: bool) -> Observer | None:
+    def observer(self) -> Observer | None:
         """An observer for this step's verify forward (CLaSp records hidden states); None by default."""
         return None
 

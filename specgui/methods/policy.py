@@ -10,15 +10,19 @@ keeps the method's acceptance as a curve, E[accepted | n], learnt from its verdi
 
 against plain decoding's 1 / plain_ms. When no n beats plain decoding by `MARGIN`, the step drafts
 nothing (paused); a probe of the best n follows after a pause that doubles after each probe that still
-predicts a loss, and drafting resumes at once when the curve says it pays. The papers' mechanisms (what
-is drafted, how it is verified) are untouched: the policy only says how much, and whether.
+predicts a loss, and drafting resumes at once when the curve says it pays. A probe is spent only where a
+draft accepted at the prior's rate (below) would pay: where even that loses, as a layer-skip draft of a
+small model on a CPU does, no probe can find a gain worth its cost, and the method decodes plainly.
+The papers' mechanisms (what is drafted, how it is verified) are untouched: the policy only says how much,
+and whether.
 
 E[accepted | n] from verdicts: a verify of d nodes in the drafter's order (parents before children,
 favourites first) also says what a verify of only the first n <= d nodes would have accepted: the
 accepted path's nodes below n. So each step teaches the curve for every n up to what it verified, and
 for every larger n as well when the drafter had nothing more to offer (a draft exit, a short lookup).
 Values never observed keep a prior, a geometric acceptance of `PRIOR_ALPHA` per token, optimistic enough
-that the policy tries them; recent steps weigh more (`DECAY`), so the curve follows the text.
+that the policy tries them, but no higher than the curve's slope below them allows (`curve`); recent
+steps weigh more (`DECAY`), so the curve follows the text.
 """
 
 from __future__ import annotations
@@ -54,10 +58,12 @@ class Plan:
     predicted: float  # predicted speedup over plain decoding of the plan taken (1.0 when paused)
     best: float  # the best predicted speedup among the sizes
     expected: float  # expected accepted tokens of the plan taken
+    prior: float | None = None  # paused: the best speedup at the prior's acceptance (below the margin: no probes)
 
     def to_dict(self) -> dict[str, object]:
+        prior = {} if self.prior is None else {"prior": round(self.prior, 3)}
         return {"size": self.size, "mode": self.mode, "predicted": round(self.predicted, 3),
-                "best": round(self.best, 3), "expected": round(self.expected, 3)}
+                "best": round(self.best, 3), "expected": round(self.expected, 3), **prior}
 
 
 class DraftPolicy:
@@ -75,8 +81,20 @@ class DraftPolicy:
 
     def expected(self, n: int) -> float:
         """E[accepted | a draft of size n]: the decayed mean of what verdicts showed, pulled towards the prior."""
-        prior = sum(PRIOR_ALPHA ** (i + 1) for i in range(n))
-        return (self.sums[n] + PRIOR_WEIGHT * prior) / (self.weights[n] + PRIOR_WEIGHT)
+        return self.curve()[n]
+
+    def curve(self) -> dict[int, float]:
+        """E[accepted | n] for every size. A size's prior is the geometric one, capped by the straight line
+        through the two sizes below it: each extra draft token is accepted only if all before it were, so
+        the curve is concave, and a size that smaller ones already show to be poor is not tried on hope."""
+        out: dict[int, float] = {}
+        last_n, last_e, slope = 0, 0.0, 1.0
+        for n in self.sizes:
+            prior = min(_geometric(n), last_e + (n - last_n) * slope)
+            e = (self.sums[n] + PRIOR_WEIGHT * prior) / (self.weights[n] + PRIOR_WEIGHT)
+            slope = max(0.0, (e - last_e) / (n - last_n))
+            out[n], last_n, last_e = e, n, e
+        return out
 
     def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
@@ -84,23 +102,27 @@ class DraftPolicy:
         sizes = [n for n in self.sizes if limit is None or n <= limit]
         if not sizes:
             return Plan(0, "paused", 1.0, 1.0, 0.0)
-        gains = {n: (1 + self.expected(n)) * plain_ms / cost(n) for n in sizes}
+        curve = self.curve()
+        gains = {n: (1 + curve[n]) * plain_ms / cost(n) for n in sizes}
         if self.fixed:
-            return Plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), self.expected(sizes[-1]))
+            return Plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), curve[sizes[-1]])
         best = max(gains, key=lambda n: (gains[n], -n))  # ties go to the smaller draft
         if gains[best] >= 1 + MARGIN or self.max_pause == 0:
             self.pause, self.probe = 1, False
-            return Plan(best, "draft", gains[best], gains[best], self.expected(best))
+            return Plan(best, "draft", gains[best], gains[best], curve[best])
+        prior = max((1 + _geometric(n)) * plain_ms / cost(n) for n in sizes)
+        if prior < 1 + MARGIN:  # a draft accepted as well as the prior hopes would lose: no probe
+            return Plan(0, "paused", 1.0, gains[best], 0.0, prior)
         if self.left > 0:
             self.left -= 1
         elif self.probe:
             self.probe = False
-            return Plan(best, "probe", gains[best], gains[best], self.expected(best))
+            return Plan(best, "probe", gains[best], gains[best], curve[best])
         else:
             self.left = self.pause - 1
             self.pause = min(2 * self.pause, self.max_pause)
             self.probe = True
-        return Plan(0, "paused", 1.0, gains[best], 0.0)
+        return Plan(0, "paused", 1.0, gains[best], 0.0, prior)
 
     def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
         """Fold one verdict in: `path` the accepted nodes (in draft order), `verified` the nodes drafted,
@@ -113,6 +135,11 @@ class DraftPolicy:
             accepted = sum(1 for _ in _prefix_below(path, n))
             self.sums[n] = DECAY * self.sums[n] + accepted
             self.weights[n] = DECAY * self.weights[n] + 1.0
+
+
+def _geometric(n: int) -> float:
+    """The prior's E[accepted | n]: each token accepted with probability PRIOR_ALPHA, if all before it were."""
+    return sum(PRIOR_ALPHA ** (i + 1) for i in range(n))
 
 
 def _prefix_below(path: Sequence[int], n: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +72,13 @@ class ParamPanel:
         """Visibility updates for the groups, in `groups` order."""
         return [gr.update(visible=name == method) for name in self.groups]
 
-    def presets(self, model_name: str, device: str) -> list[Any]:
-        """Every widget's preset value for a model and device (a model change re-reads configs/)."""
+    def presets(self, model_name: str, device: str, method: str = "",
+                overrides: dict[str, Any] | None = None) -> list[Any]:
+        """Every widget's preset value for a model and device (a model change re-reads configs/), with
+        `overrides` applied to `method`'s widgets (a demo preset's own settings)."""
         values = []
         for name in dict.fromkeys(m for m, _ in self.keys):
-            defaults = preset(name, model_name, device)
+            defaults = {**preset(name, model_name, device), **((overrides or {}) if name == method else {})}
             values += [defaults[p] for m, p in self.keys if m == name]
         return values
 
@@ -174,12 +176,15 @@ DEMOS_FILE = CONFIG_DIR / "demos.yaml"
 
 @dataclass(frozen=True)
 class Preset:
-    """One click's worth of settings: a method on a suite prompt where it shows something, with a budget."""
+    """One click's worth of settings: a method on a suite prompt where it shows something, with a budget, and
+    the method parameters it sets beyond the configs/ presets (e.g. the paper's fixed schedule, to show a
+    mechanism that the cost model would pause on this device)."""
 
     name: str
     method: str
     example: Example
     max_new_tokens: int
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 def presets(examples: list[Example], path: Path = DEMOS_FILE) -> list[Preset]:
@@ -200,5 +205,12 @@ def presets(examples: list[Example], path: Path = DEMOS_FILE) -> list[Preset]:
         tokens = row.get("max_new_tokens")
         if not isinstance(tokens, int) or not 1 <= tokens <= max_new_tokens_cap():
             raise SpecGUIError(f"{where}: max_new_tokens must be an integer from 1 to {max_new_tokens_cap()}")
-        out.append(Preset(row["name"], row["method"], by_id[row["prompt"]], tokens))
+        params = row.get("params", {})
+        if not isinstance(params, dict):
+            raise SpecGUIError(f"{where}: params must be a mapping of parameter names to values")
+        try:
+            methods.params_for(row["method"], "", "cpu", params)
+        except SpecGUIError as exc:
+            raise SpecGUIError(f"{where}: {exc}") from None
+        out.append(Preset(row["name"], row["method"], by_id[row["prompt"]], tokens, params))
     return out

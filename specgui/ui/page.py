@@ -255,8 +255,8 @@ class App:
 
     def _wire_live(self) -> None:
         private = {"queue": False, "api_visibility": "private"}
-        self.preset.change(self._pick_preset, self.preset, [self.method, self.example, self.prompt, self.max_new],
-                           **private)
+        self.preset.change(self._pick_preset, [self.preset, self.model],
+                           [self.method, self.example, self.prompt, self.max_new, *self.panel.components], **private)
         self.method.change(self.panel.show, self.method, list(self.panel.groups.values()), **private)
         self.model.submit(self._presets, self.model, self.panel.components, **private)
         self.model.blur(self._presets, self.model, self.panel.components, **private)
@@ -334,12 +334,14 @@ class App:
         example = self.examples.get(label or "")
         return example.row.preview if example else gr.skip()
 
-    def _pick_preset(self, name: str | None) -> tuple:
-        """A preset sets the method, the example (and so the prompt) and the token budget in one choice."""
+    def _pick_preset(self, name: str | None, model: str) -> tuple:
+        """A preset sets the method, the example (and so the prompt), the token budget and the parameters
+        (configs/ presets for the model, with the preset's own on top) in one choice."""
         preset = self.presets.get(name or "")
         if preset is None:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return preset.method, preset.example.label, preset.example.row.preview, preset.max_new_tokens
+            return (gr.skip(),) * (4 + len(self.panel.components))
+        values = self.panel.presets(self._preset_model(str(model or "")), self.device, preset.method, preset.params)
+        return preset.method, preset.example.label, preset.example.row.preview, preset.max_new_tokens, *values
 
     def stop(self, request: gr.Request = None) -> None:
         self.stops.stop(_session(request))

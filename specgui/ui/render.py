@@ -167,7 +167,7 @@ def layer_strip(num_layers: int, internals: Internals) -> str:
     rows.append(f'<span class="sg-strip-label">layer</span>{axis}')
     skipped = len(internals.skip_attn) + len(internals.skip_mlp)
     if internals.paused:
-        caption = "drafting paused this step (the back-off measured no gain): nothing drafted, nothing skipped"
+        caption = "drafting paused this step (the cost model predicts no draft pays): nothing drafted, nothing skipped"
     elif internals.has_skip:
         caption = f"draft skipped {skipped} of {2 * num_layers} sub-layers"
     else:

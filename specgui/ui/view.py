@@ -19,6 +19,7 @@ from typing import Any
 
 from specgui.equality import Divergence, first_divergence
 from specgui.events import Event, Prefill, Start, Step, Summary
+from specgui.methods.policy import MARGIN, PRIOR_ALPHA
 
 # Token kinds in the method pane: how each piece of text came to be there.
 ACCEPTED, BONUS, CORRECTION, REJECTED = "accepted", "bonus", "correction", "rejected"
@@ -94,7 +95,7 @@ class Internals:
 
     @property
     def paused(self) -> bool:
-        """Drafting was paused this step (layer skip's back-off): nothing was drafted, nothing skipped."""
+        """Drafting was paused this step (the cost policy): nothing was drafted, nothing skipped."""
         return self.exit_reason == "paused"
 
 
@@ -481,6 +482,11 @@ def _lost(method: RunView, draft: float, extra_verify: float, other: float, forw
     """The term that lost: acceptance when less than half the draft depth was accepted, else the largest cost."""
     drafting = [s for s in method.steps if s.drafted]
     if not drafting:
+        plans = [s.payload.get("plan") for s in method.steps]
+        priors = [p["prior"] for p in plans if isinstance(p, dict) and _is_num(p.get("prior"))]
+        if priors and max(priors) < 1 + MARGIN:
+            return (f"nothing was drafted: on this device a draft accepted at {PRIOR_ALPHA:.0%} per token would "
+                    f"reach only {max(priors):.2f}× per step, so the cost model decoded plainly")
         return "nothing was drafted"
     depth = sum(max(n.depth for n in node_verdicts(s)) for s in drafting) / len(drafting)
     accepted = sum(s.accepted for s in drafting) / len(drafting)
