@@ -33,6 +33,25 @@ def test_a_verdict_teaches_every_size_up_to_what_it_verified():
     assert fresh.expected(3) < sum(PRIOR_ALPHA ** i for i in (1, 2, 3))
 
 
+def test_a_size_not_rechecked_lately_returns_towards_its_prior():
+    policy = DraftPolicy([1, 2, 3])
+    policy.learn(path=[], verified=2, exhausted=False)  # one bad verdict of size 2 ...
+    low = policy.expected(2)
+    for _ in range(30):
+        policy.learn(path=[0], verified=1, exhausted=False)  # ... then only size 1, always accepted
+    assert policy.expected(1) == pytest.approx(1, abs=0.05)
+    prior = sum(PRIOR_ALPHA ** i for i in (1, 2))
+    assert policy.expected(2) > 2 * low and policy.expected(2) == pytest.approx(prior, abs=0.1)
+
+
+def test_untried_sizes_are_capped_by_the_slope_below_them():
+    policy = DraftPolicy([1, 2, 4])
+    for _ in range(40):
+        policy.learn(path=[0], verified=2, exhausted=False)  # the first token always, the second never
+    assert policy.expected(2) == pytest.approx(1, abs=0.05)
+    assert policy.expected(4) < 1.25  # the prior alone would credit 2.36
+
+
 def test_tree_paths_count_the_nodes_a_smaller_verify_would_have_kept():
     policy = DraftPolicy([2, 5])
     for _ in range(40):

@@ -22,7 +22,8 @@ accepted path's nodes below n. So each step teaches the curve for every n up to 
 for every larger n as well when the drafter had nothing more to offer (a draft exit, a short lookup).
 Values never observed keep a prior, a geometric acceptance of `PRIOR_ALPHA` per token, optimistic enough
 that the policy tries them, but no higher than the curve's slope below them allows (`curve`); recent
-steps weigh more (`DECAY`), so the curve follows the text.
+steps weigh more (`DECAY`, applied to every size at every verdict), so the curve follows the text and a
+size not re-checked lately returns towards its prior.
 """
 
 from __future__ import annotations
@@ -126,15 +127,17 @@ class DraftPolicy:
 
     def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
         """Fold one verdict in: `path` the accepted nodes (in draft order), `verified` the nodes drafted,
-        `exhausted` whether a larger size would have drafted nothing more."""
+        `exhausted` whether a larger size would have drafted nothing more. Every verdict ages the evidence
+        of every size, so what no step re-checks (a size above the ones drafted lately) drifts back to the
+        prior instead of locking that size out for good after one bad verdict."""
         if verified == 0:
             return
         for n in self.sizes:
-            if n > verified and not exhausted:
-                continue
-            accepted = sum(1 for _ in _prefix_below(path, n))
-            self.sums[n] = DECAY * self.sums[n] + accepted
-            self.weights[n] = DECAY * self.weights[n] + 1.0
+            self.sums[n] *= DECAY
+            self.weights[n] *= DECAY
+            if n <= verified or exhausted:
+                self.sums[n] += sum(1 for _ in _prefix_below(path, n))
+                self.weights[n] += 1.0
 
 
 def _geometric(n: int) -> float:
