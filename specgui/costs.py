@@ -248,6 +248,24 @@ def _median_ms(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = R
     return _medians_ms([fn], sync, repeats)[0]
 
 
+class DeviceClock:
+    """Time marks that never stall the device: recorded CUDA events on a GPU, `perf_counter` elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two marks (on CUDA only once the device has passed both)."""
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1000
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
     """Median ms of `fn` after a warm-up: how methods measure their mechanisms for `CostProfile.mechanism`."""
     return _median_ms(fn, _sync(device), repeats)

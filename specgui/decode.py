@@ -13,7 +13,6 @@ Timing covers only the time spent inside this generator: whatever a consumer doe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,33 +65,24 @@ class _Clock:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device = costs.DeviceClock(device)
         self.total = 0.0
-        self.marks = [self._now()]
-
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        self.marks = [self.device.mark()]
 
     def mark(self) -> None:
-        self.marks.append(self._now())
+        self.marks.append(self.device.mark())
 
     def read(self) -> list[float]:
-        if self.cuda:
+        if self.device.cuda:
             self.marks[-1].synchronize()
-            ms = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            ms = [(b - a) * 1000 for a, b in zip(self.marks, self.marks[1:])]
+        ms = [self.device.ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
         self.marks = self.marks[-1:]
         self.total += sum(ms) / 1000
         return ms
 
     def resume(self) -> None:
         """Start counting again after a pause (the gap was the consumer's time, not the method's)."""
-        self.marks = [self._now()]
+        self.marks = [self.device.mark()]
 
 
 def generate(

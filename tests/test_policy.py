@@ -104,6 +104,8 @@ def test_layer_skip_pauses_where_a_draft_token_costs_a_forward(tiny_lm):
     modes = [s.payload["plan"]["mode"] for s in result.steps if "plan" in s.payload]
     assert modes.count("paused") > len(modes) // 2 and "draft" not in modes
     assert all(s.predicted_ms > 0 for s in result.steps)
+    # no draft could pay even at the prior's acceptance: no probe, so no skip-set search at all
+    assert set(modes) == {"paused"} and not any(e.payload.get("reoptimized") for e in result.events[1:-1])
     cheap = profile([10.0] * 8, unit=1.2)  # a GPU: verifying 8 costs one, a draft token skips half the layers
     again = decode.run(tiny_lm, PROMPT, "clasp", max_new_tokens=40, profile=cheap, params={"det": 0.0})
     assert again.token_ids == result.token_ids == baseline_run(tiny_lm, PROMPT, 40).token_ids

@@ -237,6 +237,14 @@ def test_a_losing_run_names_the_term_that_lost(steps, lost):
     assert f"Lost: {lost}." in reason.sentence()
 
 
+def test_a_run_the_cost_model_never_let_draft_says_why():
+    paused = {"plan": {"size": 0, "mode": "paused", "predicted": 1.0, "best": 0.7, "expected": 0.0, "prior": 0.77}}
+    steps = [step(i + 1, [], [], 15, ms=(0.0, 55.0, 0.0), payload=paused) for i in range(4)]
+    reason = why(_timed("clasp", steps), _timed("baseline", _plain(12)))
+    assert reason.lost == ("nothing was drafted: on this device a draft accepted at 80% per token would reach only "
+                           "0.77× per step, so the cost model decoded plainly")
+
+
 def test_a_noise_check_explains_its_distance_from_one_as_noise():
     reason = why(_timed("baseline", _plain(4, ms=60.0)), _timed("baseline", _plain(4)))
     assert reason.noise_check and reason.lost is None

@@ -52,8 +52,7 @@ class Clasp(LayerSkipDrafter):
         super().begin(state)
         self.units = make_units(self.runner.num_layers, self.params.granularity)
         self.budget = max(1, min(len(self.units) - 1, round(self.params.skip_fraction * len(self.units))))
-        self.recorder = HiddenRecorder()
-        self.recording = True  # the prefill's states feed the first DP
+        self.recorder = HiddenRecorder()  # the prefill's states feed the first DP
         self.searched = False  # no skip set yet: the first draft searches
         self.since_dp = 0  # verify steps since the last DP
         self.anchor = (-1, state.prompt_len - 1)  # (block row, position) of the recorded last accepted token
@@ -87,17 +86,20 @@ class Clasp(LayerSkipDrafter):
         self.searched, self.since_dp = True, 0
         return predicted, {"reoptimized": True, "dp_score": found.score, "dp_ms": self.dp_ms}
 
+    def _records(self) -> bool:
+        """Whether this step's verify records hidden states: where the next step may search."""
+        return not self.searched or self.since_dp + 1 >= self.params.loi
+
     def observer(self) -> HiddenRecorder | None:
-        # record only where the next step may search: the states are references, kept until then
-        self.recording = not self.searched or self.since_dp + 1 >= self.params.loi
-        return self.recorder if self.recording else None
+        return self.recorder if self._records() else None  # the states are references, kept until a search
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
-        if not outcome.prefill:
-            self.since_dp += 1
-        if self.recording and not outcome.prefill:
+        if outcome.prefill:
+            return {}
+        if self._records():
             # the last accepted token: the verify block's row of the path's end (the pending token's if empty)
             self.anchor = (outcome.last_row, state.committed - len(outcome.emitted) + len(outcome.path))
+        self.since_dp += 1
         return {}
 
     def _search_ms(self, state: DecodeState) -> float:

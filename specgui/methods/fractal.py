@@ -40,13 +40,12 @@ own layers in the same forwards) with their per-pass "cost_ratio".
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from specgui.costs import time_ms
+from specgui.costs import DeviceClock, time_ms
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
@@ -89,24 +88,6 @@ def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
     return [start + int(k * gap) for k in range(n)]
 
 
-class _Clock:
-    """Time marks inside a forward that do not stall the device (CUDA events there, perf_counter here)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: Any, end: Any) -> float:
-        """Milliseconds between two marks (on CUDA only once the device has passed both)."""
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1000
-
-
 @dataclass(frozen=True)
 class Plan:
     """What every spliced forward of one generation shares."""
@@ -115,7 +96,7 @@ class Plan:
     compressed: CompressedModel
     layers: tuple[int, ...]  # the fractal layers, ascending
     window: int
-    clock: _Clock
+    clock: DeviceClock
 
 
 class Splice:
@@ -216,7 +197,7 @@ class Fractal(Drafter):
         # built here, outside decoding time, once per runner; its build time is reported in Prefill
         compressed, built = compressed_copy(runner, params.backend)
         self.build_ms = compressed.build_ms if built else 0.0
-        self.plan = Plan(runner, compressed, tuple(layers), params.window or len(layers), _Clock(runner.device))
+        self.plan = Plan(runner, compressed, tuple(layers), params.window or len(layers), DeviceClock(runner.device))
 
     def begin(self, state: DecodeState) -> None:
         self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots

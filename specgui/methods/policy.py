@@ -103,15 +103,15 @@ class DraftPolicy:
         sizes = [n for n in self.sizes if limit is None or n <= limit]
         if not sizes:
             return Plan(0, "paused", 1.0, 1.0, 0.0)
-        curve = self.curve()
-        gains = {n: (1 + curve[n]) * plain_ms / cost(n) for n in sizes}
+        curve, costs = self.curve(), {n: cost(n) for n in sizes}
+        gains = {n: (1 + curve[n]) * plain_ms / costs[n] for n in sizes}
         if self.fixed:
             return Plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), curve[sizes[-1]])
         best = max(gains, key=lambda n: (gains[n], -n))  # ties go to the smaller draft
         if gains[best] >= 1 + MARGIN or self.max_pause == 0:
             self.pause, self.probe = 1, False
             return Plan(best, "draft", gains[best], gains[best], curve[best])
-        prior = max((1 + _geometric(n)) * plain_ms / cost(n) for n in sizes)
+        prior = max((1 + _geometric(n)) * plain_ms / costs[n] for n in sizes)
         if prior < 1 + MARGIN:  # a draft accepted as well as the prior hopes would lose: no probe
             return Plan(0, "paused", 1.0, gains[best], 0.0, prior)
         if self.left > 0:
