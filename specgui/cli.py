@@ -1,4 +1,4 @@
-"""Command line: `python -m specgui generate | bench | methods | profile | dv-search`.
+"""Command line: `python -m specgui generate | bench | methods | profile | dv-search | gpucheck`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -31,7 +31,7 @@ class Parser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded", help="'embedded' (default), a hub id, a local directory, or "
-                   "random:SHAPE (real shape, random weights: smollm2-135m, llama-1b, llama-3b, llama-8b)")
+                   "random:SHAPE (real shape, random weights: smollm2-135m, llama-1b, llama-3b, llama-8b; tiny: a toy)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="dv parameter override (search settings: iterations, init_points, calibration, ...)")
     add_model_args(search)
+
+    check = sub.add_parser("gpucheck", help="validate the fast path on this device (GPU or CPU): report.md and .json")
+    check.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and logs")
+    check.add_argument("--quick", action="store_true", help="the short form (CI on a CPU): few tokens, toy shapes")
+    check.add_argument("--sections", default=None, help="comma-separated subset (default: all): "
+                       "tests, identity, bf16, bench, shapes, syncs_launches, capture, switch, sdpa")
+    check.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
+    check.add_argument("--device", default="auto", help="auto, cpu or cuda")
     return parser
 
 
@@ -246,17 +254,41 @@ def cmd_dv_search(args: argparse.Namespace) -> None:
           f"{result.iterations} sets scored in {result.seconds:.1f} s")
 
 
+def cmd_gpucheck(args: argparse.Namespace) -> int:
+    """Run the checks; exit 1 when a target fails or a section errs (the report says which)."""
+    from specgui import gpucheck
+
+    names = [n.strip() for n in args.sections.split(",") if n.strip()] if args.sections else None
+    unknown = [n for n in names or [] if n not in gpucheck.SECTIONS]
+    if unknown or names == []:
+        raise SpecGUIError(f"unknown section {', '.join(map(repr, unknown)) or repr(args.sections)}: choose from "
+                           f"{', '.join(gpucheck.SECTIONS)}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SpecGUIError(f"--out {args.out!r} is a file, not a folder")
+    chosen = [n.strip() for n in args.methods.split(",") if n.strip()] if args.methods else None
+    opts = gpucheck.options(args.device, args.quick, chosen)
+    flags = [("--quick", args.quick), (f"--sections {args.sections}", args.sections),
+             (f"--methods {args.methods}", args.methods), (f"--device {args.device}", args.device != "auto")]
+    command = " ".join(["python -m specgui gpucheck --out", args.out] + [flag for flag, given in flags if given])
+    report = gpucheck.run(out, opts, names, command=command,
+                          progress=lambda name: print(f"gpucheck: {name} ...", file=sys.stderr, flush=True))
+    print(gpucheck.summary_table(report))
+    print(f"\n{report['seconds']:.0f} s; report in {out / 'report.md'} and {out / 'report.json'}")
+    return 1 if any(t["pass"] is False for t in report["targets"]) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
         args = build_parser().parse_args(argv)
         commands = {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods, "profile": cmd_profile,
-                    "dv-search": cmd_dv_search}
-        commands[args.command](args)
+                    "dv-search": cmd_dv_search, "gpucheck": cmd_gpucheck}
+        status = commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status or 0

@@ -33,8 +33,11 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 RANDOM = "random:"
 # Real shapes with random weights (`--model random:llama-8b`): time a model size without its weights. The
-# vocabulary is the embedded tokenizer's (49152), whose text they use; Llama-3's own is 128256.
+# vocabulary is the embedded tokenizer's (49152), whose text they use; Llama-3's own is 128256. `tiny` is no
+# real shape: a toy that runs every code path in milliseconds (`gpucheck --quick` on a CPU).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
     "smollm2-135m": {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
                      "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True},
     "llama-1b": {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192,

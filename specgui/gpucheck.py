@@ -1,0 +1,694 @@
+"""`python -m specgui gpucheck --out DIR`: validate the fast path on whatever device is here, in one command.
+
+Why: few sessions are lent a GPU, and the fast path (static cache, buckets, CUDA graphs) is written for
+one. A session that gets a GPU must be able to check all of it (CUDA tests, token identity, the bf16 tie
+audit, speed against targets, graph floors, syncs and launches, capture cost, memory on a model switch,
+attention kernels) in one call and paste the result into README. The same checks run on a CPU at CPU
+scale, and CI runs the short form (`--quick`), so the command cannot rot between GPU sessions.
+
+Each section is a function of a `Context` returning a dict: figures, one table (`headers`, `rows`) and
+its `targets` (what was promised, what was measured, PASS/FAIL; `None` where a target is for CUDA and
+this is a CPU). A section that raises records its error and the others still run; a section that cannot
+run here says why (`Skipped`). `run` writes `report.json` and `report.md`; `summary_table` is the table
+printed to stdout (README's table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specgui import REPO_DIR, bench, decode, fastpath, methods
+from specgui.equality import first_divergence, logit_noise
+from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
+from specgui.prompts import PromptRow, load_prompts, select
+
+HELDOUT = REPO_DIR / "assets" / "heldout.jsonl"
+CATEGORY_ORDER = ("code", "summarization", "multi-turn", "qa", "rag", "math", "translation")
+SPEEDUP_TARGETS = {"pld": 1.3, "selfdraft": 1.3, "admg": 1.3, "fractal": 2.0}  # the rest: at least 1x
+BASELINE_MS_TARGET = 8.0
+FLOOR_RATIO_TARGET = 1.5
+SWITCH_SLACK_BYTES = 16 * 2**20  # allocator rounding and small caches the switch may leave behind
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+class Skipped(Exception):
+    """A section that cannot run here (e.g. CUDA only, on a CPU); the message says why."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Sizes of every section: full (GPU scale, or the same on a CPU) or quick (CI on a CPU)."""
+
+    device: torch.device
+    quick: bool
+    methods: tuple[str, ...]
+    identity_prompts: int
+    identity_tokens: int
+    bench_prompts: int
+    bench_tokens: int
+    shape_tokens: int
+    bench_model: str  # the model bench, capture, syncs and switch run (embedded, or a toy in quick CPU form)
+    shape_models: tuple[str, ...]
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> str:
+        """What the speed sections run in: bf16 on a GPU (what users run), fp32 on a CPU."""
+        return "bfloat16" if self.cuda else "float32"
+
+
+def options(device: str = "auto", quick: bool = False, method_names: list[str] | None = None) -> Options:
+    """Section sizes for this device and form."""
+    from specgui.loading import resolve_device
+
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
+    chosen = tuple(method_names) if method_names else tuple(methods.names())
+    for name in chosen:
+        methods.get(name)
+    if "baseline" not in chosen:
+        chosen = ("baseline", *chosen)
+    toy = quick and not cuda
+    return Options(
+        device=dev, quick=quick, methods=chosen,
+        identity_prompts=1 if quick else 4, identity_tokens=8 if quick else 32,
+        bench_prompts=(2 if quick else 8) if cuda else (1 if quick else 4),
+        bench_tokens=(32 if quick else 64) if cuda else (8 if quick else 48),
+        shape_tokens=16 if quick else 64,
+        bench_model="random:tiny" if toy else EMBEDDED,
+        shape_models=("random:llama-3b", "random:llama-8b") if cuda else
+                     (("random:tiny",) if quick else ("random:smollm2-135m",)),
+    )
+
+
+@dataclass
+class Context:
+    """What the sections share: options, the output folder, loaded models and prompts."""
+
+    opts: Options
+    out: Path
+    held: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)
+
+    def model(self, name: str, dtype: str) -> LoadedModel:
+        """A model loaded once for every section that reads it."""
+        key = (name, dtype)
+        if key not in self.held:
+            self.held[key] = load(ModelSpec(name=name, dtype=dtype, device=str(self.opts.device)))
+        return self.held[key]
+
+    def rows(self, n: int) -> list[PromptRow]:
+        """`n` held-out prompts taken from the categories in turn, code and summarization first."""
+        rank = {c: i for i, c in enumerate(CATEGORY_ORDER)}
+        taken: dict[str, int] = {}
+        keyed = []
+        for row in select(load_prompts(HELDOUT)):
+            turn = taken[row.category] = taken.get(row.category, -1) + 1  # the row's index within its category
+            keyed.append((turn, rank.get(row.category, len(rank)), row))
+        return [row for *_, row in sorted(keyed, key=lambda k: k[:2])][:n]
+
+    def cuda_only(self, what: str) -> None:
+        if not self.opts.cuda:
+            raise Skipped(f"CUDA only ({what}); this device is {self.opts.device}")
+
+
+def target(name: str, measured: str, ok: bool | None) -> dict[str, Any]:
+    """One promise: `ok` None where it does not apply on this device."""
+    return {"target": name, "measured": measured, "pass": ok}
+
+
+def table(headers: list[str], rows: list[list[Any]], targets: list[dict[str, Any]] | None = None,
+          **data: Any) -> dict[str, Any]:
+    return {"headers": headers, "rows": rows, "targets": targets or [], **data}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _drafting(method: str) -> dict[str, Any] | None:
+    """The paper's fixed draft schedule where a method has a policy: identity means something only if it drafts."""
+    fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
+    return {"policy": "fixed"} if "policy" in fields else None
+
+
+def _step_ms_per_token(result: decode.Result) -> float:
+    """Decoding ms per generated token after the prefill: every step's draft, verify and overhead time."""
+    steps = result.steps
+    tokens = sum(len(s.emitted) for s in steps)
+    return sum(s.draft_ms + s.verify_ms + s.overhead_ms for s in steps) / tokens if tokens else float("nan")
+
+
+# -- 1. tests ------------------------------------------------------------------------------------------------
+
+
+def section_tests(ctx: Context) -> dict[str, Any]:
+    """The CUDA tests of the fast path and Fractal, in a subprocess (they skip themselves without CUDA)."""
+    ctx.cuda_only("the CUDA tests skip themselves on a CPU")
+    tests = REPO_DIR / "tests"
+    if not (tests / "test_fastpath.py").is_file():
+        raise Skipped(f"no tests beside the package ({tests})")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fastpath.py",
+           "tests/test_fractal.py", "-k", "cuda"]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=1800)
+    (ctx.out / "tests.log").write_text(done.stdout + done.stderr, encoding="utf-8")
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
+                                                      done.stdout.splitlines()[-1] if done.stdout else "")}
+    passed, failed = counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    return table(["passed", "failed", "skipped", "seconds", "exit"],
+                 [[passed, failed, counts.get("skipped", 0), round(time.perf_counter() - started, 1), done.returncode]],
+                 [target("CUDA tests (test_fastpath, test_fractal -k cuda) pass", f"{passed} passed, {failed} failed",
+                         done.returncode == 0 and passed > 0)],
+                 counts=counts, command=" ".join(cmd[1:]), log="tests.log")
+
+
+# -- 2. identity ---------------------------------------------------------------------------------------------
+
+
+def _identity_of(lm: LoadedModel, encoded: list[list[int]], bases: list[decode.Result], method: str,
+                 n: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    identical, drafted, accepted, first = 0, 0, 0, None
+    for ids, base in zip(encoded, bases):
+        got = decode.run(lm, ids, method, max_new_tokens=n, params=_drafting(method), fast_path="on")
+        drafted += got.summary.drafted
+        accepted += got.summary.accepted
+        found = first_divergence(got.token_ids, base.token_ids, base.margins)
+        identical += found is None
+        first = first or (found and dataclasses.asdict(found))
+    return {"identical": identical, "total": len(encoded), "drafted": drafted, "accepted": accepted,
+            "first_divergence": first, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def section_identity(ctx: Context) -> dict[str, Any]:
+    """Every method on the fast path, fp32, greedy, against the eager baseline, token for token; again with
+    every program call overwriting every other program's output (`fastpath.overwrite_check`)."""
+    opts = ctx.opts
+    lm = ctx.model(EMBEDDED, "float32")
+    encoded = [row.encode(lm.tokenizer) for row in ctx.rows(opts.identity_prompts)]
+    n = opts.identity_tokens
+    bases = [decode.run(lm, ids, "baseline", max_new_tokens=n, fast_path="off") for ids in encoded]
+    check = getattr(fastpath, "overwrite_check", None)
+    modes: list[tuple[str, Callable[[], Any]]] = [("fast path", contextlib.nullcontext)]
+    if check is not None:
+        modes.append(("overwrite check", check))
+    per: dict[str, dict[str, Any]] = {}
+    for mode, scope in modes:
+        for method in opts.methods:
+            with scope():
+                per[f"{method} / {mode}"] = {"method": method, "mode": mode,
+                                             **_identity_of(lm, encoded, bases, method, n)}
+    all_same = all(v["identical"] == v["total"] for v in per.values())
+    rows = [[v["method"], v["mode"], f"{v['identical']}/{v['total']}", v["drafted"], v["accepted"],
+             "-" if v["first_divergence"] is None else f"token {v['first_divergence']['position']}"]
+            for v in per.values()]
+    targets = [target("fp32 fast path token-identical to eager baseline (every method)",
+                      f"{sum(v['identical'] for v in per.values())}/{sum(v['total'] for v in per.values())} runs",
+                      all_same)]
+    if check is None:
+        targets.append(target("identical under the overwrite check", "fastpath.overwrite_check not in this build",
+                              False))
+    return table(["method", "mode", "identical", "drafted", "accepted", "first divergence"], rows, targets,
+                 methods=per, prompts=len(encoded), new_tokens=n, overwrite_check=check is not None)
+
+
+# -- 3. bf16 tie audit ---------------------------------------------------------------------------------------
+
+
+def section_bf16(ctx: Context) -> dict[str, Any]:
+    """bf16 on the fast path: every method against the bf16 baseline; a divergence must be a near-tie, i.e.
+    the baseline's top-2 margin there within the logit noise measured between batch shapes
+    (`specgui.equality`, as the bench judges it)."""
+    ctx.cuda_only("bf16 ties are a GPU matter; fp32 on a CPU is checked by identity")
+    opts = ctx.opts
+    lm = ctx.model(EMBEDDED, "bfloat16")
+    encoded = [row.encode(lm.tokenizer) for row in ctx.rows(opts.identity_prompts)]
+    n = opts.bench_tokens
+    noise = logit_noise(lm.runner, encoded[:3], fast_path=True)
+    bases = [decode.run(lm, ids, "baseline", max_new_tokens=n, fast_path="on") for ids in encoded]
+    rows, found = [], []
+    for method in ["baseline (eager)", *opts.methods[1:]]:
+        eager = method == "baseline (eager)"
+        for ids, base in zip(encoded, bases):
+            got = decode.run(lm, ids, "baseline" if eager else method, max_new_tokens=n,
+                             fast_path="off" if eager else "on")
+            d = first_divergence(got.token_ids, base.token_ids, base.margins, noise)
+            if d is not None:
+                found.append({"method": method, **dataclasses.asdict(d)})
+        mine = [d for d in found if d["method"] == method]
+        rows.append([method, len(encoded) - len(mine), len(mine), sum(d["near_tie"] for d in mine),
+                     max((d["baseline_margin"] or 0.0 for d in mine), default=0.0)])
+    ties = all(d["near_tie"] for d in found)
+    return table(["method", "identical", "diverged", "near-ties", "largest margin"], rows,
+                 [target("every bf16 divergence within the measured logit noise",
+                         f"{sum(d['near_tie'] for d in found)}/{len(found)} divergences within {noise:.3g}", ties)],
+                 logit_noise=noise, divergences=found, new_tokens=n)
+
+
+# -- 4. bench ------------------------------------------------------------------------------------------------
+
+
+def _bench_row(label: str, agg: dict[str, Any], path: str) -> list[Any]:
+    rate = agg["tokens_per_s"]
+    pred = agg.get("predicted_speedup")
+    tau = agg.get("mean_accepted")
+    return [label, path, round(1000 / rate, 2) if rate else "-", round(rate, 1), round(agg["speedup"], 2),
+            "-" if pred is None else round(pred, 2), "-" if tau is None else round(tau, 2),
+            f"{agg['identical']}/{agg['total']}" if agg.get("identical") is not None else "-"]
+
+
+def _bench_targets(on: dict[str, Any], cuda: bool) -> list[dict[str, Any]]:
+    figures = on["methods"]
+    base_ms = 1000 / figures["baseline"]["tokens_per_s"]
+    out = [target(f"baseline at most {BASELINE_MS_TARGET:g} ms/token (fast path)", f"{base_ms:.2f} ms",
+                  base_ms <= BASELINE_MS_TARGET if cuda else None)]
+    if "hf-static" in figures:
+        static_ms = 1000 / figures["hf-static"]["tokens_per_s"]
+        out.append(target("baseline at least as fast as hf-static", f"{base_ms:.2f} vs {static_ms:.2f} ms",
+                          base_ms <= static_ms if cuda else None))
+    for label, agg in figures.items():
+        if label == "baseline" or label in bench.REFERENCES:
+            continue
+        want = SPEEDUP_TARGETS.get(label, 1.0)
+        out.append(target(f"{label} at least {want:g}x baseline", f"{agg['speedup']:.2f}x",
+                          agg["speedup"] >= want if cuda else None))
+    return out
+
+
+def section_bench(ctx: Context) -> dict[str, Any]:
+    """`specgui.bench` with the fast path on and off: ms/token, speedup, tau, predicted vs measured."""
+    opts = ctx.opts
+    lm = ctx.model(opts.bench_model, opts.dtype)
+    rows = ctx.rows(opts.bench_prompts)
+    refs = ["hf-generate", "hf-static"] if opts.cuda else ["hf-generate"]
+    entries = bench.entries_for([*refs, *opts.methods])
+    reports, out_rows = {}, []
+    for path in ("on", "off"):
+        settings = bench.Settings(max_new_tokens=opts.bench_tokens, fast_path=path)
+        report = bench.bench(lm, rows, entries, settings)
+        (ctx.out / f"bench-fast-{path}.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+        (ctx.out / f"bench-fast-{path}.txt").write_text(bench.format_report(report, profile=True), encoding="utf-8")
+        reports[path] = {"methods": report["methods"], "logit_noise": report["logit_noise"]}
+        out_rows += [_bench_row(label, agg, path) for label, agg in report["methods"].items()]
+    return table(["method", "fast path", "ms/token", "tok/s", "speedup", "predicted", "tau", "identical"],
+                 out_rows, _bench_targets(reports["on"], opts.cuda), model=lm.name, dtype=opts.dtype,
+                 prompts=len(rows), new_tokens=opts.bench_tokens, reports=reports,
+                 files=["bench-fast-on.json", "bench-fast-off.json"])
+
+
+# -- 5. shapes against their graph floor ---------------------------------------------------------------------
+
+
+def _time_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median ms of `fn` after one warm-up call (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1000)
+    return statistics.median(times)
+
+
+def graph_floor_ms(lm: LoadedModel, context: int, repeats: int = 20) -> float:
+    """One whole forward of one token over a transformers `StaticCache` of `context` tokens, captured as one
+    CUDA graph and replayed (on a CPU: the same forward called): what a decoding step cannot beat.
+
+    transformers 5.23's static cache advances its own write position on the device at every call (replays
+    included), so it has room for every call made here; each call still reads the whole static buffer.
+    """
+    from transformers import StaticCache
+
+    model, device = lm.model, lm.runner.device
+    cache = StaticCache(config=model.config, max_cache_len=context + repeats + 8)
+    ids = torch.randint(0, int(model.config.vocab_size), (1, context), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+    token, position = ids[:, -1:].clone(), torch.tensor([context], device=device)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True)
+
+        def step() -> torch.Tensor:
+            return model(token, past_key_values=cache, cache_position=position, position_ids=position[None],
+                         use_cache=True).logits
+
+        if device.type != "cuda":
+            return _time_ms(step, device, repeats)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return _time_ms(graph.replay, device, repeats)
+
+
+def _shape_row(ctx: Context, name: str) -> dict[str, Any]:
+    opts = ctx.opts
+    lm = load(ModelSpec(name=name, dtype=opts.dtype, device=str(opts.device)))
+    try:
+        ids = ctx.rows(1)[0].encode(lm.tokenizer)
+        decode.run(lm, ids, "baseline", max_new_tokens=4, fast_path="on")  # warm-up: captures, profile
+        result = decode.run(lm, ids, "baseline", max_new_tokens=opts.shape_tokens, fast_path="on")
+        ms = _step_ms_per_token(result)
+        floor = graph_floor_ms(lm, len(ids) + opts.shape_tokens // 2)
+        return {"model": name, "layers": lm.runner.num_layers, "params_m": lm.info["params_m"], "ms_per_token": ms,
+                "floor_ms": floor, "ratio": ms / floor}
+    finally:
+        del lm
+        _free(opts.device)
+
+
+def section_shapes(ctx: Context) -> dict[str, Any]:
+    """Random-weight shapes (3B and 8B on a GPU): baseline ms/token on the fast path against the graph floor."""
+    found = [_shape_row(ctx, name) for name in ctx.opts.shape_models]
+    rows = [[f["model"], f["layers"], f["params_m"], round(f["ms_per_token"], 2), round(f["floor_ms"], 2),
+             round(f["ratio"], 2)] for f in found]
+    targets = [target(f"{f['model']} baseline within {FLOOR_RATIO_TARGET:g}x its graph floor",
+                      f"{f['ratio']:.2f}x ({f['ms_per_token']:.2f} vs {f['floor_ms']:.2f} ms)",
+                      f["ratio"] <= FLOOR_RATIO_TARGET if ctx.opts.cuda else None) for f in found]
+    floor = "one-token forward over a StaticCache as one CUDA graph" if ctx.opts.cuda else "eager forward"
+    return table(["model", "layers", "params (M)", "baseline ms/token", "floor ms", "ratio"], rows, targets,
+                 shapes=found, floor=floor, dtype=ctx.opts.dtype, new_tokens=ctx.opts.shape_tokens)
+
+
+# -- 6. syncs and launches -----------------------------------------------------------------------------------
+
+
+def count_syncs(fn: Callable[[], Any]) -> int:
+    """Host synchronisations `fn` makes, as `torch.cuda.set_sync_debug_mode("warn")` reports them."""
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
+    """Kernel launches, graph launches and async copies `fn` issues (CUDA runtime events in torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    counts = {"kernels": 0, "graphs": 0, "copies": 0}
+    for event in prof.events():
+        if event.name in LAUNCH_EVENTS:
+            counts["kernels"] += 1
+        elif event.name == "cudaGraphLaunch":
+            counts["graphs"] += 1
+        elif event.name.startswith("cudaMemcpy"):
+            counts["copies"] += 1
+    return counts
+
+
+def section_syncs_launches(ctx: Context) -> dict[str, Any]:
+    """Per generated token: host syncs and launches of a baseline and a pld run on the fast path."""
+    ctx.cuda_only("host syncs and kernel launches are CUDA runtime events")
+    opts = ctx.opts
+    lm = ctx.model(opts.bench_model, opts.dtype)
+    ids = ctx.rows(1)[0].encode(lm.tokenizer)
+    rows, found = [], {}
+    for method in ("baseline", "pld"):
+        def go(method: str = method) -> decode.Result:
+            return decode.run(lm, ids, method, max_new_tokens=opts.shape_tokens, fast_path="on")
+
+        tokens = len(go().token_ids)  # warm-up (captures), and the token count every run below repeats
+        syncs = count_syncs(go)
+        launches = count_launches(go)
+        found[method] = {"tokens": tokens, "syncs": syncs, **launches}
+        rows.append([method, tokens, round(syncs / tokens, 1), round(launches["kernels"] / tokens, 1),
+                     round(launches["graphs"] / tokens, 1), round(launches["copies"] / tokens, 1)])
+    return table(["method", "tokens", "syncs/token", "kernel launches/token", "graph launches/token",
+                  "memcpy/token"], rows, runs=found, note="whole runs, prefill included")
+
+
+# -- 7. capture ----------------------------------------------------------------------------------------------
+
+
+def _fallback_stats(runner: Any) -> dict[str, Any]:
+    """What a build without `fastpath.stats` can say: the programs in the runner's static cache."""
+    cache = getattr(runner, "static_cache", None) or getattr(fastpath, "_CACHES", {}).get(runner)
+    programs = list(cache.programs.values()) if cache is not None else []
+    graphs = sum(getattr(p, "graph", None) is not None for p in programs)
+    return {"programs": len(programs), "graphs": graphs, "whole_graphs": None,
+            "failed": sum(bool(cache.graphs) and getattr(p, "graph", None) is None for p in programs) if cache else 0,
+            "capture_s": None, "graph_bytes": None}
+
+
+def section_capture(ctx: Context) -> dict[str, Any]:
+    """Capture time and graph memory after warm-up, on a freshly loaded model (its captures are all new)."""
+    opts = ctx.opts
+    lm = load(ModelSpec(name=opts.bench_model, dtype=opts.dtype, device=str(opts.device)))
+    try:
+        ids = ctx.rows(1)[0].encode(lm.tokenizer)
+        walls = []
+        for _ in range(2):  # the first run warms up (captures), the second replays
+            _sync(opts.device)
+            began = time.perf_counter()
+            decode.run(lm, ids, "baseline", max_new_tokens=opts.shape_tokens, fast_path="on")
+            _sync(opts.device)
+            walls.append(time.perf_counter() - began)
+        stats_fn = getattr(fastpath, "stats", None)
+        stats = stats_fn(lm.runner) if stats_fn else _fallback_stats(lm.runner)
+    finally:
+        del lm
+        _free(opts.device)
+    rows = [[key, value] for key, value in stats.items()]
+    rows += [["first run s", round(walls[0], 2)], ["second run s", round(walls[1], 2)]]
+    targets = [target("no failed captures", f"{stats['failed']} failed", stats["failed"] == 0 if opts.cuda else None)]
+    return table(["figure", "value"], rows, targets, stats=stats, source="fastpath.stats" if stats_fn else "fallback",
+                 walls=walls)
+
+
+# -- 8. model switch -----------------------------------------------------------------------------------------
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def section_switch(ctx: Context) -> dict[str, Any]:
+    """Load a model, run it on the fast path, drop it: the model must die and (CUDA) its memory come back."""
+    opts = ctx.opts
+    _free(opts.device)
+    before = _allocated(opts.device)
+    lm = load(ModelSpec(name=opts.bench_model, dtype=opts.dtype, device=str(opts.device)))
+    ids = ctx.rows(1)[0].encode(lm.tokenizer)
+    decode.run(lm, ids, "baseline", max_new_tokens=4, fast_path="on")
+    loaded = _allocated(opts.device)
+    ref = weakref.ref(lm.model)
+    del lm
+    _free(opts.device)
+    after = _allocated(opts.device)
+    freed = ref() is None
+    targets = [target("model freed after a fast-path run and a switch", "freed" if freed else "still alive", freed)]
+    if opts.cuda:
+        targets.append(target("CUDA memory back after a switch", f"{(after - before) / 2**20:+.1f} MiB",
+                              after - before <= SWITCH_SLACK_BYTES))
+    mib = [round(x / 2**20, 1) for x in (before, loaded, after)] if opts.cuda else ["-", "-", "-"]
+    return table(["model", "freed", "MiB before", "MiB loaded", "MiB after"],
+                 [[opts.bench_model, freed, *mib]], targets, before=before, loaded=loaded, after=after, freed=freed)
+
+
+# -- 9. attention kernels ------------------------------------------------------------------------------------
+
+SDPA_OPS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+            "math": "MATH"}
+
+
+def _eager_static_cache(lm: LoadedModel, ids: list[int]) -> Any:
+    """A static cache whose programs run eagerly (no graphs), so each forward picks its SDPA kernel anew."""
+    cache = fastpath.StaticKVCache(lm.runner, 256 * (1 + (len(ids) + fastpath.SLACK) // 256))
+    cache.graphs = False
+    with torch.inference_mode():
+        lm.runner.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+    return cache
+
+
+def _which_sdpa(fn: Callable[[], Any]) -> str:
+    """The SDPA implementation the profiler saw `fn` call (aten op names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+    return ", ".join(sorted(n.removeprefix("aten::_scaled_dot_product_") for n in names if n.startswith("aten::_"))) \
+        or "none seen"
+
+
+def section_sdpa(ctx: Context) -> dict[str, Any]:
+    """Which SDPA backend can run a fast-path forward (bool mask over the static cache), one token and an 8-token
+    verify, each backend alone, and what each costs; and which one runs when none is forced. The question is a
+    GPU's (flash kernels and bool masks); a CPU answers it for its own kernels, so the code cannot rot."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    opts = ctx.opts
+    lm = ctx.model(opts.bench_model, opts.dtype)
+    ids = ctx.rows(1)[0].encode(lm.tokenizer)
+    cache = _eager_static_cache(lm, ids)
+    n, rows, found = len(ids), [], {}
+    for rows_in in (1, 8):
+        def forward(t: int = rows_in) -> torch.Tensor:
+            with torch.inference_mode():
+                return lm.runner.forward(torch.tensor((ids * t)[:t]), torch.arange(n, n + t), cache.view(n))
+
+        default = {"ms": _time_ms(forward, opts.device, 10), "runs": _which_sdpa(forward)}
+        found[f"{rows_in} token(s)"] = per = {"default": default}
+        rows.append([rows_in, "default", default["runs"], round(default["ms"], 2)])
+        for label, backend in SDPA_OPS.items():
+            try:
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    per[label] = {"ms": _time_ms(forward, opts.device, 10)}
+                rows.append([rows_in, label, "works", round(per[label]["ms"], 2)])
+            except RuntimeError as exc:
+                per[label] = {"error": str(exc).splitlines()[0][:200]}
+                rows.append([rows_in, label, "fails", "-"])
+    return table(["tokens", "backend", "result", "ms per forward"], rows, results=found,
+                 note="eager forwards over a static cache of the fast path (graphs off), bool masks")
+
+
+SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "tests": section_tests, "identity": section_identity, "bf16": section_bf16, "bench": section_bench,
+    "shapes": section_shapes, "syncs_launches": section_syncs_launches, "capture": section_capture,
+    "switch": section_switch, "sdpa": section_sdpa,
+}
+
+
+# -- running and reporting -----------------------------------------------------------------------------------
+
+
+def run_section(name: str, ctx: Context) -> dict[str, Any]:
+    """One section, never raising: status ok, skipped (with the reason) or error (with the error)."""
+    started = time.perf_counter()
+    try:
+        result: dict[str, Any] = {"status": "ok", **SECTIONS[name](ctx)}
+    except Skipped as exc:
+        result = {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:  # a failing section is a finding; the other sections still run
+        result = {"status": "error", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                  "traceback": traceback.format_exc()}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def targets_of(sections: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every target with its section; a section that errored is a failed target, a skipped one says why."""
+    out = []
+    for name, result in sections.items():
+        if result["status"] == "error":
+            out.append({"section": name, **target(f"section {name} runs", result["error"], False)})
+        elif result["status"] == "skipped":
+            out.append({"section": name, **target(f"section {name}", f"skipped: {result['reason']}", None)})
+        else:
+            out += [{"section": name, **t} for t in result["targets"]]
+    return out
+
+
+def verdict(ok: bool | None) -> str:
+    return "PASS" if ok else ("n/a" if ok is None else "FAIL")
+
+
+def _md_table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "/").replace("\n", " ")
+
+    return ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)] + \
+        ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """README's table: every target, what was measured, PASS / FAIL (n/a: a CUDA target on a CPU, or skipped)."""
+    rows = [[t["section"], t["target"], t["measured"], verdict(t["pass"])] for t in report["targets"]]
+    return "\n".join(_md_table(["section", "target", "measured", "result"], rows))
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"# gpucheck on {env['device_name']}", "",
+             f"{'quick' if report['quick'] else 'full'} form, torch {env['torch']}, transformers "
+             f"{env['transformers']}, python {env['python']}, {report['seconds']:.0f} s; "
+             f"command `{report['command']}`", "", "## Targets", "", summary_table(report)]
+    for name, result in report["sections"].items():
+        lines += ["", f"## {name} ({result['status']}, {result['seconds']} s)", ""]
+        if result["status"] == "ok":
+            lines += _md_table(result["headers"], result["rows"])
+            if result.get("note"):
+                lines += ["", result["note"]]
+        else:
+            lines.append(result.get("reason") or result.get("error", ""))
+    return "\n".join(lines) + "\n"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'}, " \
+        f"{torch.get_num_threads()} threads)"
+    return {"device": str(device), "device_name": name, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def run(out: Path, opts: Options, names: list[str] | None = None, command: str = "",
+        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the chosen sections (all by default) and write `out/report.json` and `out/report.md`."""
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(opts, out)
+    started = time.perf_counter()
+    sections: dict[str, dict[str, Any]] = {}
+    for name in names or list(SECTIONS):
+        if progress is not None:
+            progress(name)
+        sections[name] = run_section(name, ctx)
+    ctx.held.clear()
+    report = {"quick": opts.quick, "command": command, "environment": environment(opts.device),
+              "options": {k: str(v) if isinstance(v, torch.device) else v for k, v in dataclasses.asdict(opts).items()},
+              "seconds": time.perf_counter() - started, "sections": sections}
+    report["targets"] = targets_of(sections)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    (out / "report.md").write_text(format_markdown(report), encoding="utf-8")
+    return report

@@ -1,0 +1,74 @@
+"""`python -m specgui gpucheck`: its quick CPU form runs every section (or says why one cannot run here), writes
+both reports, and finds every method token-identical; a failing section records its error and the rest run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specgui import gpucheck, methods
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_ONLY = {"tests", "bf16", "syncs_launches"}  # the sections a CPU skips
+
+
+def cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "specgui", "gpucheck", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path, embedded_lm):
+    out = cli("--out", str(tmp_path / "gc"), "--quick", "--device", "cpu")
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    report = json.loads((tmp_path / "gc" / "report.json").read_text())
+    markdown = (tmp_path / "gc" / "report.md").read_text()
+    sections = report["sections"]
+    assert list(sections) == list(gpucheck.SECTIONS)
+    for name, result in sections.items():
+        if name in CUDA_ONLY:  # --device cpu, even where a GPU exists
+            assert result["status"] == "skipped" and "CUDA" in result["reason"], (name, result)
+        else:
+            assert result["status"] == "ok", (name, result.get("error"), result.get("traceback"))
+            assert result["rows"] and f"## {name} (ok" in markdown
+    identity = sections["identity"]["methods"]
+    assert {v["method"] for v in identity.values()} == set(methods.names())
+    assert all(v["identical"] == v["total"] == 1 for v in identity.values()), identity
+    assert sum(v["drafted"] for v in identity.values()) > 0  # identity of methods that never drafted proves nothing
+    assert sections["bench"]["reports"]["on"]["methods"]["baseline"]["tokens_per_s"] > 0
+    failed = [t for t in report["targets"] if t["pass"] is False]
+    assert out.returncode == (1 if failed else 0)
+    assert "| section | target | measured | result |" in out.stdout and "| identity |" in out.stdout
+    assert gpucheck.summary_table(report) in markdown
+
+
+def test_sections_subset_runs_only_those(tmp_path):
+    out = cli("--out", str(tmp_path), "--quick", "--device", "cpu", "--sections", "switch,tests")
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["sections"]) == ["switch", "tests"]
+    assert report["sections"]["switch"]["status"] == "ok"
+    assert report["sections"]["switch"]["targets"][0]["target"].startswith("model freed")
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    (tmp_path / "file").write_text("")
+    for args, message in [(["--out", str(tmp_path), "--sections", "nope"], "unknown section 'nope'"),
+                          (["--out", str(tmp_path / "file")], "is a file"),
+                          (["--out", str(tmp_path), "--methods", "nope"], "unknown method")]:
+        out = cli(*args)
+        assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_failing_section_records_its_error_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setitem(gpucheck.SECTIONS, "broken", broken)
+    opts = gpucheck.options("cpu", quick=True, method_names=["pld"])
+    report = gpucheck.run(tmp_path, opts, ["broken", "bf16"])
+    assert report["sections"]["broken"]["status"] == "error"
+    assert report["sections"]["broken"]["error"] == "RuntimeError: boom"
+    assert report["sections"]["bf16"]["status"] == "skipped"
+    assert [t["pass"] for t in report["targets"]] == [False, None]
+    assert opts.methods == ("baseline", "pld")
+    assert "| broken | section broken runs | RuntimeError: boom | FAIL |" in (tmp_path / "report.md").read_text()
