@@ -193,7 +193,7 @@ def measure(lm: Any, fast_path: bool) -> CostProfile:
             calls = [lambda t=t, c=c, cache=cache: runner.forward(tokens[c : c + t], torch.arange(c, c + t),
                                                                     cache.view(c)) for t in SIZES]
             forward.append(_medians_ms(calls, sync))
-        attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync)
+        attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync, fast_path)
     profile = CostProfile(key=_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward, step=0.0,
                           attn=attn, mlp=mlp, head=head)
     profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile)
@@ -201,9 +201,10 @@ def measure(lm: Any, fast_path: bool) -> CostProfile:
     return profile
 
 
-def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callable[[], None]):
-    """Each attention and MLP sub-layer, and the head, over one token at `context` (eager)."""
-    cache = KVCache()
+def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callable[[], None], fast_path: bool):
+    """Each attention and MLP sub-layer, and the head, over one token at `context`, on the path runs take
+    (on the fast path each is its program's replay: what a layer-skip draft pays there)."""
+    cache = fastpath.cache_for(runner, context + 1) if fast_path else KVCache()
     runner.forward(tokens[:context], torch.arange(context), cache)
     step = runner.new_pass(torch.tensor([context]), cache.view(context))
     h = runner.embed(tokens[context : context + 1].to(runner.embed_device).view(1, 1))

@@ -111,7 +111,12 @@ def generate(
     generator = None if sampling.greedy else sampling.generator(runner.head_device)
     static = fastpath.resolve(fast_path, runner)
     profile = profile or costs.profile_for(lm, static)
+    if profile.key.get("fast_path") != static:
+        raise SpecGUIError(f"the cost profile was measured on the {'fast' if profile.key.get('fast_path') else 'eager'}"
+                           f" path, this run takes the {'fast' if static else 'eager'} one")
     cache = fastpath.cache_for(runner, len(prompt_ids) + max_new_tokens) if static else kvcache.KVCache()
+    if static and drafter.stand_ins():
+        fastpath.warm_up(cache, drafter.stand_ins())  # before the clock starts: no capture is ever timed
     state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
                         profile, tokenizer=lm.tokenizer)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
