@@ -50,7 +50,7 @@ from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache, Layout, to_device
 from specgui.runner import ATTN, MLP, Pass, Runner, sublayer
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")

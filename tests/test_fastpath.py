@@ -25,8 +25,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU her
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_static_forwards_match_model_forward(arch):
-    """Bucketed forwards (5 -> 8, 1, 3 -> 4) and one beyond the largest bucket (70: chunks of 64 and 6 -> 8)
-    over one cache; every program was made at warm-up, none while decoding."""
+    """Bucketed forwards (5 -> 8, 1, 3 -> 4, 70 -> 128) over one cache; every program was made at warm-up,
+    none while decoding."""
     lm = tiny_model(arch=arch, seed=3)
     ids = torch.randint(0, 48, (82,))
     with torch.inference_mode():
