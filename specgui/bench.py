@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specgui import costs, decode, fastpath, methods
-from specgui.costs import CostProfile
+from specgui.costs import CostProfile, describe_origin
 from specgui.equality import first_divergence, logit_noise
 from specgui.loading import LoadedModel
 from specgui.prompts import PromptRow
@@ -168,7 +168,8 @@ def bench(
         run_method(lm, rows[0], encoded[0], entry.method, min(16, settings.max_new_tokens), settings.sampling,
                    entry.params, settings.fast_path)
     noise = logit_noise(lm.runner, encoded[:3], fast_path=fast)
-    profile = costs.profile_for(lm, fast, refresh=True)  # measured now, on the machine as the runs find it
+    # the saved profile if a couple of plain steps now agree with it, else measured now (`costs.profile_for`)
+    profile = costs.profile_for(lm, fast, run=decode.run)
     runs: dict[tuple[str, str], Run] = {}
     for repeat in range(settings.repeats):
         for i, (row, ids) in enumerate(zip(rows, encoded)):
@@ -229,9 +230,10 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
 
     `logit_noise` is the measured disagreement of two batch shapes (`specgui.equality.logit_noise`): a
     greedy divergence where the baseline's top-2 margin is within it counts as a near-tie ("ties").
-    `predicted_speedup` is what the cost model (`cost_profile`, measured at the start of the bench) predicts
-    from the steps each method took: how far measured and predicted differ is how well the model explains
-    the method's speed.
+    `predicted_speedup` is what the cost model (`cost_profile`: checked against a couple of plain steps at the
+    start of the bench, measured again then if it no longer held; its `measured_at` and device say when and
+    where it was measured) predicts from the steps each method took: how far measured and predicted differ is
+    how well the model explains the method's speed.
     """
     sampling = settings.sampling
     base_label = entries[0].label
@@ -299,6 +301,10 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
              f"temperature {report['sampling']['temperature']}",
              f"logit noise between batch shapes: {report['logit_noise']:.3g} (a divergence whose baseline top-2 "
              "margin is within it is a near-tie)"]
+    priced = report.get("cost_profile")
+    if priced:  # the profile every "predicted" figure comes from: when and where it was measured, and its file
+        origin = describe_origin(priced["key"].get("device", ""), priced.get("measured_at", 0.0))
+        lines.append(f"predicted by the cost profile {origin}" + (f" ({priced['file']})" if priced.get("file") else ""))
     if not report["complete"]:
         lines.append("INCOMPLETE: the bench stopped before every prompt ran")
     header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'predicted':>9} {'tau':>6} {'accept':>7} "

@@ -10,7 +10,10 @@ assumed, and every prediction and every method's draft size comes from them.
 
 A `CostProfile` is measured once per (model, device, dtype, fast path) in a few seconds and cached on
 disk beside the converted weights (`cache_root()/profiles/`); `python -m specgui profile` prints it,
-`--refresh` measures again. It holds, as median milliseconds:
+`--refresh` measures again. Its key names the CPU model (or the GPU), and it records when it was measured:
+a saved profile is checked when a process first reads it (`check`: a couple of plain steps against its
+plain step) and measured again when it no longer holds (another CPU sharing the cache folder, a profile
+taken on a busy machine). It holds, as median milliseconds:
 
   forward[c][T]  a target forward of T new tokens (T = 1 ... 64) over a cached context of c tokens, at a
                  short and a long context
@@ -24,12 +27,17 @@ disk beside the converted weights (`cache_root()/profiles/`); `python -m specgui
 Predictions: a step that drafts with extra work `extra_ms` and verifies `rows` tokens costs
 `extra_ms + verify_ms(rows)`, where `verify_ms` is the forward plus the loop's own per-step cost; it pays
 off when tau / (its cost / `step`) > 1, i.e. when tau exceeds the break-even tau (its cost / `step`).
+
+The plain step is timed by running the decode loop, which is handed in (`Decode`, `specgui.decode.run`;
+`decode` hands itself over on import through `use_decoder`), so this module imports nothing above the parts
+it measures.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -50,7 +58,16 @@ from specgui.runner import ATTN, MLP, Runner, SkipPlan
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # new tokens per measured forward: finest where CPUs turn
 CONTEXTS = (128, 1024)  # the short and the long context, in cached tokens
 REPEATS = 5  # each figure is the median of this many timed calls, after one warm-up
+# A saved profile is measured again when a plain step now costs more than TOLERANCE times its plain step, or
+# less than 1 / TOLERANCE of it. Timing noise on these machines is 10-20%: two readings each off by 20% in
+# opposite directions differ by 1.2 / 0.8 = 1.5x, so a tighter bound would re-measure on noise alone, while
+# the two CI CPUs the field guide measured differ by 1.75x in a one-token forward (33.6 vs 59.0 ms), which
+# this bound catches.
+TOLERANCE = 1.5
 _PROFILES: weakref.WeakKeyDictionary[Runner, dict[bool, CostProfile]] = weakref.WeakKeyDictionary()
+_BY_FILE: dict[str, CostProfile] = {}  # every profile this process measured or checked, by file: one per shape
+Decode = Callable[..., Any]  # `specgui.decode.run`: (lm, prompt ids, method, **options) -> a result with `steps`
+_decoder: Decode | None = None
 
 
 @dataclass
@@ -68,6 +85,7 @@ class CostProfile:
     mechanisms: dict[str, float] = field(default_factory=dict)
     measure_s: float = 0.0
     path: str = ""  # where it is saved ("" for none)
+    measured_at: float = 0.0  # when it was measured (Unix time; 0: unknown, e.g. built by hand)
 
     # -- predictions ----------------------------------------------------------------------------------------
 
@@ -105,7 +123,12 @@ class CostProfile:
     def curve(self) -> dict[str, Any]:
         """The forward curve and the plain step, for events: what the app draws, even in a replay."""
         return {"sizes": self.sizes, "contexts": self.contexts, "forward": self.forward, "step": self.step,
-                "loop": self.loop_ms, "device": self.key.get("device", "")}
+                "loop": self.loop_ms, "device": self.key.get("device", ""), "measured_at": self.measured_at}
+
+    def origin(self) -> str:
+        """Where and when it was measured, e.g. 'measured 2026-11-24 19:20 UTC on cpu AMD EPYC 7B13 x2': what
+        the why line and the bench report name, so a figure priced by an old or foreign profile shows it."""
+        return describe_origin(self.key.get("device", ""), self.measured_at)
 
     # -- storage --------------------------------------------------------------------------------------------
 
@@ -126,6 +149,7 @@ class CostProfile:
         k = self.key
         lines = [f"cost profile of {k['model']} on {k['device']} ({k['dtype']}, "
                  f"{'fast path' if k['fast_path'] else 'eager'}), measured in {self.measure_s:.1f} s",
+                 self.origin(),
                  f"plain step {self.step:.2f} ms (forward {self.forward_ms(1, self.contexts[0]):.2f} + loop "
                  f"{self.loop_ms:.2f}), LM head {self.head:.2f} ms", "",
                  "forward ms by new tokens T (rows) and cached context (columns):",
@@ -144,6 +168,12 @@ class CostProfile:
         return "\n".join(lines)
 
 
+def describe_origin(device: str, measured_at: float) -> str:
+    """'measured <UTC time> on <device>' (the time left out when unknown)."""
+    when = time.strftime(" %Y-%m-%d %H:%M UTC", time.gmtime(measured_at)) if measured_at > 0 else ""
+    return f"measured{when} on {device or 'an unknown device'}"
+
+
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys), continued linearly past both ends."""
     if len(xs) == 1:
@@ -158,25 +188,83 @@ def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
 # -- measuring ------------------------------------------------------------------------------------------------
 
 
-def profile_for(lm: Any, fast_path: bool, *, refresh: bool = False) -> CostProfile:
-    """The cost profile of a loaded model on the path it decodes with: from memory, from disk, or measured."""
-    runner = lm.runner
-    known = _PROFILES.setdefault(runner, {})
-    if fast_path in known and not refresh:
-        return known[fast_path]
-    key = _key(lm, fast_path)
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_root() / "profiles" / f"{_safe(lm.name)}-{digest}.json"
-    profile = None if refresh else _read(path, key)
-    if profile is None:
-        profile = measure(lm, fast_path)
-        profile.path = str(path)
-        profile.save()
-    known[fast_path] = profile
+def use_decoder(run: Decode) -> None:
+    """Hand over the decode loop that plain steps are timed with (`specgui.decode` does so on import), for
+    callers that do not pass one to `profile_for`."""
+    global _decoder
+    _decoder = run
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A saved profile's plain step beside one timed now: `stale` when they differ by more than TOLERANCE."""
+
+    saved_ms: float
+    now_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.now_ms / self.saved_ms if self.saved_ms > 0 else math.inf
+
+    @property
+    def stale(self) -> bool:
+        return not 1 / TOLERANCE <= self.ratio <= TOLERANCE
+
+    def sentence(self) -> str:
+        return (f"a plain step now takes {self.now_ms:.2f} ms against the profile's {self.saved_ms:.2f} ms "
+                f"({self.ratio:.2f}x; re-measured beyond {TOLERANCE:g}x either way)")
+
+
+def profile_for(lm: Any, fast_path: bool, *, refresh: bool = False, run: Decode | None = None) -> CostProfile:
+    """The cost profile of a loaded model on the path it decodes with: from memory, from disk (checked against
+    a couple of plain steps now, and measured again if it no longer holds), or measured. `run` times the plain
+    steps (default: the decode loop `specgui.decode` handed over)."""
+    profile, drift = (None, None) if refresh else lookup(lm, fast_path, run=run)
+    if profile is None or (drift is not None and drift.stale):
+        profile = remeasure(lm, fast_path, run=run)
     return profile
 
 
-def measure(lm: Any, fast_path: bool) -> CostProfile:
+def lookup(lm: Any, fast_path: bool, *, run: Decode | None = None) -> tuple[CostProfile | None, Drift | None]:
+    """The profile this process already holds for the model (None: no check needed), else the saved one with
+    its `Drift` measured now (kept for the process only when not stale), else (None, None)."""
+    known = _PROFILES.setdefault(lm.runner, {})
+    if fast_path in known:
+        return known[fast_path], None
+    key = _key(lm, fast_path)
+    path = _path(lm, key)
+    if str(path) in _BY_FILE and _BY_FILE[str(path)].key == key:
+        known[fast_path] = _BY_FILE[str(path)]
+        return known[fast_path], None
+    profile = _read(path, key)
+    if profile is None:
+        return None, None
+    drift = check(lm, profile, run=run)
+    if not drift.stale:
+        known[fast_path] = _BY_FILE[str(path)] = profile
+    return profile, drift
+
+
+def remeasure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfile:
+    """Measure the profile now, save it (replacing any saved one) and hold it for the process."""
+    key = _key(lm, fast_path)
+    path = _path(lm, key)
+    profile = measure(lm, fast_path, run=run)
+    profile.path = str(path)
+    profile.save()
+    _PROFILES.setdefault(lm.runner, {})[fast_path] = _BY_FILE[str(path)] = profile
+    return profile
+
+
+def check(lm: Any, profile: CostProfile, *, run: Decode | None = None) -> Drift:
+    """A couple of plain steps timed now (the least of two short runs' medians, at the profile's short
+    context) beside the profile's plain step."""
+    vocab = int(lm.runner.config.vocab_size)
+    prompt = torch.randint(0, vocab, (profile.contexts[0],), generator=torch.Generator().manual_seed(0)).tolist()
+    return Drift(profile.step, _plain_step_ms(lm, prompt, profile, run=run, rounds=2, new_tokens=4))
+
+
+def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfile:
     """Measure a profile: forwards at every size and both contexts, sub-layers, the head, a plain step."""
     runner = lm.runner
     started = time.perf_counter()
@@ -193,17 +281,19 @@ def measure(lm: Any, fast_path: bool) -> CostProfile:
             calls = [lambda t=t, c=c, cache=cache: runner.forward(tokens[c : c + t], torch.arange(c, c + t),
                                                                     cache.view(c)) for t in SIZES]
             forward.append(_medians_ms(calls, sync))
-        attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync)
+        attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync, fast_path)
     profile = CostProfile(key=_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward, step=0.0,
                           attn=attn, mlp=mlp, head=head)
-    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile)
+    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run)
     profile.measure_s = time.perf_counter() - started
+    profile.measured_at = time.time()
     return profile
 
 
-def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callable[[], None]):
-    """Each attention and MLP sub-layer, and the head, over one token at `context` (eager)."""
-    cache = KVCache()
+def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callable[[], None], fast_path: bool):
+    """Each attention and MLP sub-layer, and the head, over one token at `context`, on the path runs take
+    (on the fast path each is its program's replay: what a layer-skip draft pays there)."""
+    cache = fastpath.cache_for(runner, context + 1) if fast_path else KVCache()
     runner.forward(tokens[:context], torch.arange(context), cache)
     step = runner.new_pass(torch.tensor([context]), cache.view(context))
     h = runner.embed(tokens[context : context + 1].to(runner.embed_device).view(1, 1))
@@ -213,18 +303,20 @@ def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callabl
     return times[: runner.num_layers], times[runner.num_layers :], head
 
 
-def _plain_step_ms(lm: Any, prompt: list[int], profile: CostProfile) -> float:
+def _plain_step_ms(lm: Any, prompt: list[int], profile: CostProfile, *, run: Decode | None = None,
+                   rounds: int = 3, new_tokens: int = 8) -> float:
     """The median whole step of a short baseline run: what plain decoding costs per token, loop included.
 
     The run gets the profile being measured (its steps need no more than the forwards already in it).
     """
-    from specgui import decode  # decode asks this module for profiles: imported here, when measuring
-
+    run = run or _decoder
+    if run is None:
+        raise RuntimeError("timing a plain step needs the decode loop: pass `run` or import specgui.decode")
     path = "on" if profile.key["fast_path"] else "off"
-    decode.run(lm, prompt[:16], "baseline", max_new_tokens=4, fast_path=path, profile=profile)  # warm-up
+    run(lm, prompt[:16], "baseline", max_new_tokens=4, fast_path=path, profile=profile)  # warm-up
     medians = []
-    for _ in range(3):  # the least of three medians: another process's burst only ever slows a run down
-        result = decode.run(lm, prompt, "baseline", max_new_tokens=8, fast_path=path, profile=profile)
+    for _ in range(rounds):  # the least of the medians: another process's burst only ever slows a run down
+        result = run(lm, prompt, "baseline", max_new_tokens=new_tokens, fast_path=path, profile=profile)
         medians.append(statistics.median(s.draft_ms + s.verify_ms + s.overhead_ms for s in result.steps))
     return min(medians)
 
@@ -281,12 +373,30 @@ def _key(lm: Any, fast_path: bool) -> dict[str, Any]:
     if runner.device.type == "cuda":
         device = torch.cuda.get_device_name(runner.device)
     else:
-        device = f"{runner.device.type} {platform.processor() or platform.machine()} x{torch.get_num_threads()}"
+        device = f"{runner.device.type} {cpu_name()} x{torch.get_num_threads()}"
     config = runner.config.to_dict() if hasattr(runner.config, "to_dict") else {}
     shape = {k: config.get(k) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}
     return {"model": lm.name, "shape": shape, "device": device, "dtype": str(runner.dtype).removeprefix("torch."),
             "fast_path": fast_path, "torch": torch.__version__, "specgui": __version__}
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows): two CPUs of one architecture and
+    core count can differ by 1.75x in a forward, so a profile names the model, not only "x86_64"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _path(lm: Any, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / "profiles" / f"{_safe(lm.name)}-{digest}.json"
 
 
 def _safe(name: str) -> str:

@@ -110,8 +110,13 @@ def generate(
     drafter = methods.create(method, runner, lm.name, sampling, params)
     generator = None if sampling.greedy else sampling.generator(runner.head_device)
     static = fastpath.resolve(fast_path, runner)
-    profile = profile or costs.profile_for(lm, static)
+    profile = profile or costs.profile_for(lm, static, run=run)
+    if profile.key.get("fast_path") != static:
+        raise SpecGUIError(f"the cost profile was measured on the {'fast' if profile.key.get('fast_path') else 'eager'}"
+                           f" path, this run takes the {'fast' if static else 'eager'} one")
     cache = fastpath.cache_for(runner, len(prompt_ids) + max_new_tokens) if static else kvcache.KVCache()
+    if static and drafter.stand_ins():
+        fastpath.warm_up(cache, drafter.stand_ins())  # before the clock starts: no capture is ever timed
     state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
                         profile, tokenizer=lm.tokenizer)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
@@ -190,6 +195,9 @@ def generate(
 def run(lm: LoadedModel, prompt_ids: list[int], method: str = "baseline", **kwargs: Any) -> Result:
     """`generate` to the end, collecting the events."""
     return Result(list(generate(lm, prompt_ids, method, **kwargs)))
+
+
+costs.use_decoder(run)  # the cost model times plain steps with this loop without importing it
 
 
 def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:

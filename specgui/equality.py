@@ -50,9 +50,31 @@ def first_divergence(method: Sequence[int], baseline: Sequence[int], baseline_ma
                       near_tie=margin is not None and margin <= noise)
 
 
+def _tree_noise(runner: Runner, cache: KVCache | fastpath.StaticKVCache, block: list[int], n: int) -> float:
+    """|logit difference| between tokens decoded one by one and the same tokens verified as a tree: each
+    chain token followed by a sibling the later ones do not see (a tree verify's layout), over a cache the
+    plain steps wrote. Beyond the first row's noise, this holds what keys computed in a batch and a
+    sparse mask change, which is what a tree method's later tokens see."""
+    k = len(block)
+    plain = torch.stack([runner.forward(torch.tensor([t]), torch.tensor([n + i]), cache)[0]
+                         for i, t in enumerate(block)])  # writes block's keys: positions n .. n + k - 1
+    cache.crop(n)
+    rows = 2 * k
+    visible = torch.zeros(rows, rows, dtype=torch.bool)
+    for i in range(k):
+        visible[2 * i, [2 * j for j in range(i + 1)]] = True  # chain row i sees the chain up to itself
+        visible[2 * i + 1, [2 * j for j in range(i + 1)] + [2 * i + 1]] = True  # its sibling: same, and itself
+    tokens = [t for pair in zip(block, reversed(block)) for t in pair]
+    positions = [n + i + d for i in range(k) for d in (0, 1)]
+    tree = runner.forward(torch.tensor(tokens), torch.tensor(positions), cache.view(n), visibility=visible,
+                          logits_rows=torch.arange(0, rows, 2))
+    return float((tree - plain).abs().max())
+
+
 def logit_noise(runner: Runner, prompts: Sequence[Sequence[int]], *, fast_path: bool = False) -> float:
     """The largest |logit difference| between a token's one-token forward and the same token as the first
-    row of a multi-token forward (2 ... 64 tokens) over the same prefix, in the runner's dtype and on the
+    row of a multi-token forward (2 ... 64 tokens) over the same prefix, or as a row of a tree verify
+    (`_tree_noise`), in the runner's dtype and on the
     path decoding takes (`fast_path`): how far two batch shapes disagree on this model and hardware.
 
     Each prompt is split in half: the first half is the prefix, the second (repeated as needed) the block.
@@ -75,5 +97,6 @@ def logit_noise(runner: Runner, prompts: Sequence[Sequence[int]], *, fast_path: 
                 first = runner.forward(torch.tensor(block[:size]), torch.arange(n, n + size), cache.view(n),
                                        logits_rows=slice(0, 1))[0]
                 noise = max(noise, float((first - alone).abs().max()))
+            noise = max(noise, _tree_noise(runner, cache, block[:8], n))
     known[fast_path] = noise
     return noise

@@ -22,6 +22,15 @@ import torch
 MIN_CAPACITY = 256
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without stalling the host: on CUDA through pinned memory, copied
+    asynchronously (a copy from pageable memory blocks until the device has taken it). torch's pinned
+    allocator keeps the pinned block until the copy has run, so the caller may drop it at once."""
+    if device.type != "cuda" or tensor.device == device:
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one forward's keys sit in one layer's key tensor, as attention reads it.
@@ -117,11 +126,15 @@ class KVCache:
         if offsets == list(range(len(offsets))):
             self.crop(start + len(offsets))
             return
+        end = start + len(offsets)
+        host = torch.tensor([start + o for o in offsets])
+        indices: dict[torch.device, torch.Tensor] = {}  # one upload per device, not one per layer
         for layer, buf in enumerate(self.keys):
             if buf is None:
                 continue
-            index = torch.tensor([start + o for o in offsets], device=buf.device)
-            end = start + len(offsets)
+            if buf.device not in indices:
+                indices[buf.device] = to_device(host, buf.device)
+            index = indices[buf.device]
             buf[..., start:end, :] = buf.index_select(-2, index)
             self.values[layer][..., start:end, :] = self.values[layer].index_select(-2, index)
             self.lengths[layer] = end

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from specgui.errors import SpecGUIError
-from specgui.kvcache import Cache, Layout
+from specgui.kvcache import Cache, Layout, to_device
 
 ATTN, MLP = 0, 1
 
@@ -112,6 +113,9 @@ class Runner:
         self.head_device = execution_device(self.lm_head)
         self.layer_devices = [execution_device(layer) for layer in self.layers]
         self.device = self.embed_device
+        # bitsandbytes' quantized linears read values on the host inside their kernels: no CUDA graph holds them
+        self.capturable = not any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
+        self.static_cache: Any = None  # the fast path's cache (`specgui.fastpath.cache_for`), owned here
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -133,9 +137,32 @@ class Runner:
         new token sees the whole cached prefix. None means causal. `logits_rows` picks the rows whose
         logits are computed (None: all). Keys and values of every executed attention are appended to
         `cache` (pass `cache.view(n)` to leave it untouched).
+
+        A cache with `chunk_rows` (the fast path's) takes a causal forward over more tokens than that as
+        consecutive chunks, each seeing the ones before through the cache: the same result, in the shapes
+        the cache has programs for. An observer then hears each state once, for all rows.
         """
+        chunk = getattr(cache, "chunk_rows", None)
+        if chunk is None or len(tokens) <= chunk or visibility is not None or pre_layer is not None:
+            return self.logits(self._hidden(tokens, positions, cache, visibility, skip, observer, pre_layer),
+                               logits_rows)
+        states: dict[int, list[torch.Tensor]] = {}
+        collect = None if observer is None else (lambda k, h: states.setdefault(k, []).append(h))
+        parts = [self._hidden(tokens[a : a + chunk], positions[a : a + chunk], cache, None, skip, collect,
+                              None).clone() for a in range(0, len(tokens), chunk)]  # clone: outputs are reused
+        for k, hs in states.items():
+            observer(k, torch.cat(hs, dim=1))
+        return self.logits(torch.cat(parts, dim=1), logits_rows)
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None,
+                skip: SkipPlan | None, observer: Observer | None, pre_layer: PreLayer | None) -> torch.Tensor:
+        """The last layer's output [1, T, H] of one forward."""
         step = self.new_pass(positions, cache, visibility)
-        h = self.embed(tokens.to(self.embed_device).view(1, -1))
+        if not skip and observer is None and pre_layer is None:
+            h = step.whole_forward(tokens)
+            if h is not None:
+                return h
+        h = self.embed(to_device(tokens, self.embed_device).view(1, -1))
         if observer is not None:
             observer(0, h)
         for layer in range(self.num_layers):
@@ -147,7 +174,7 @@ class Runner:
                 h = step.run_unit(h, layer, kind)
                 if observer is not None:
                     observer(unit_index(layer, kind), step.lasting(h))
-        return self.logits(h, logits_rows)
+        return h
 
     def new_pass(self, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None = None) -> Pass:
         """The state one forward's sub-layers share; over the fast path's static cache, a `StaticPass`."""
@@ -155,6 +182,8 @@ class Runner:
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Final norm + LM head over the chosen rows of hidden states [1, T, H] -> float32 [R, V]."""
+        if isinstance(rows, torch.Tensor):
+            rows = to_device(rows, hidden.device)
         h = hidden[0] if rows is None else hidden[0, rows]
         h = self.norm(h.to(execution_device(self.norm)))
         return self.lm_head(h.to(self.head_device)).float()
@@ -165,7 +194,7 @@ class Pass:
 
     def __init__(self, runner: Runner, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None) -> None:
         self.runner = runner
-        self.positions = positions.to(runner.embed_device).view(1, -1)
+        self.positions = to_device(positions, runner.embed_device).view(1, -1)
         self.cache = cache
         self.visibility = visibility
         self.length = self.positions.shape[1]
@@ -223,6 +252,11 @@ class Pass:
     def lasting(self, h: torch.Tensor) -> torch.Tensor:
         """`h` as returned by `run_unit`, made safe to keep past the next sub-layer (here it already is)."""
         return h
+
+    def whole_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The last layer's output of the whole forward in one piece, where this path has such a program
+        (the fast path's); None: the caller runs the sub-layers."""
+        return None
 
 
 def sublayer(block: nn.Module, kind: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,

@@ -1,12 +1,35 @@
-"""Fixtures: a tiny random Llama (fast, in-process) and the embedded SmolLM2 (real, loaded once)."""
+"""Fixtures: a tiny random Llama (fast, in-process) and the embedded SmolLM2 (real, loaded once).
 
-import pytest
-import torch
+Two session-wide settings, made before anything imports torch or reads the cache:
+- One intra-op thread, here and (through OMP_NUM_THREADS) in every subprocess the suite starts. The suite's
+  models are tiny or small, whose ops are too short for a second thread to pay, and on a shared two-core
+  machine each two-thread op waits for a core another process holds: a tiny model's 3-token pld run took
+  8 ms with one thread and 500-1200 ms with two while other jobs ran. No check depends on the thread count.
+- A cache folder of the session's own (`SPECGUI_CACHE`) for cost profiles and search results, so that no
+  test is priced by a profile some earlier run measured (on a busy machine, or another CPU); converted model
+  weights are shared with the user's cache through a link, since they depend only on the model file.
+"""
 
-from helpers import tiny_model
-from specgui import loading
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+os.environ["OMP_NUM_THREADS"] = "1"
+_USER_CACHE = Path(os.environ.get("SPECGUI_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                   / "specgui")
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="specgui-tests-"))
+(_USER_CACHE / "models").mkdir(parents=True, exist_ok=True)
+(_SESSION_CACHE / "models").symlink_to(_USER_CACHE / "models", target_is_directory=True)
+os.environ["SPECGUI_CACHE"] = str(_SESSION_CACHE)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import tiny_model  # noqa: E402
+from specgui import loading  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +58,7 @@ def suite_sample(suite, embedded_lm):
     for row in suite:
         firsts.setdefault(row.category, row)
     return [row.encode(embedded_lm.tokenizer) for row in firsts.values()]
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)  # the link only: the shared weights stay

@@ -2,11 +2,14 @@
 predictions made from it."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import tiny_model
 from specgui import costs, decode
@@ -66,7 +69,7 @@ def test_methods_record_their_mechanisms_in_the_profile(cache_dir):
 
 
 def test_profile_command_prints_the_embedded_models_profile(tmp_path):
-    env = {"SPECGUI_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {"SPECGUI_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
     models = Path.home() / ".cache" / "specgui" / "models"  # reuse the converted weights, not the profiles
     if models.is_dir():
         (tmp_path / "models").symlink_to(models)
@@ -76,3 +79,50 @@ def test_profile_command_prints_the_embedded_models_profile(tmp_path):
     out = done.stdout
     assert "cost profile of SmolLM2-135M-Instruct on cpu" in out and "plain step" in out
     assert "pld.lookup" in out and "fractal.pass" in out and "saved in" in out
+
+
+def test_a_profile_names_the_cpu_model_and_when_it_was_measured(cache_dir):
+    lm = tiny_model(seed=4)
+    before = time.time()
+    profile = costs.profile_for(lm, fast_path=False)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and "model name" in cpuinfo.read_text():
+        line = next(x for x in cpuinfo.read_text().splitlines() if x.startswith("model name"))
+        assert costs.cpu_name() == " ".join(line.split(":", 1)[1].split())
+    assert profile.key["device"] == f"cpu {costs.cpu_name()} x{torch.get_num_threads()}"
+    assert before <= profile.measured_at <= time.time()
+    assert profile.origin() == f"measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime(profile.measured_at))} UTC " \
+                               f"on {profile.key['device']}"
+    assert profile.origin() in profile.summary() and profile.curve()["measured_at"] == profile.measured_at
+
+
+def test_the_tolerance_separates_noise_from_another_machine():
+    assert not costs.Drift(saved_ms=10.0, now_ms=12.0).stale and not costs.Drift(10.0, 8.5).stale  # 10-20% noise
+    assert costs.Drift(10.0, 17.5).stale and costs.Drift(17.5, 10.0).stale  # the guide's two CPUs: 1.75x apart
+    assert "1.75x" in costs.Drift(10.0, 17.5).sentence()
+
+
+@pytest.mark.parametrize("factor", [8.0, 1 / 8])
+def test_a_profile_saved_under_another_plain_step_cost_is_detected_and_replaced(cache_dir, monkeypatch, factor):
+    """A profile as a CPU `factor` times slower (or faster) measured it, in a cache folder both machines share:
+    the first read checks it against a couple of plain steps, finds it stale, measures again and saves that."""
+    honest = costs.profile_for(tiny_model(seed=4), fast_path=False)
+    shared = cache_dir.parent / "shared"
+    monkeypatch.setenv("SPECGUI_CACHE", str(shared))
+    foreign = json.loads(Path(honest.path).read_text())
+    foreign.update(step=honest.step * factor, head=honest.head * factor, measured_at=1.0,
+                   forward=[[ms * factor for ms in row] for row in honest.forward],
+                   attn=[ms * factor for ms in honest.attn], mlp=[ms * factor for ms in honest.mlp])
+    saved = shared / "profiles" / Path(honest.path).name
+    saved.parent.mkdir(parents=True)
+    saved.write_text(json.dumps(foreign))
+
+    lm = tiny_model(seed=7)  # a runner this process holds no profile for
+    found, drift = costs.lookup(lm, fast_path=False)
+    assert found.step == pytest.approx(honest.step * factor) and drift.stale
+    assert (drift.ratio < 1 / costs.TOLERANCE) if factor > 1 else (drift.ratio > costs.TOLERANCE)
+    replaced = costs.profile_for(lm, fast_path=False)
+    assert replaced.measured_at > 1.0 and replaced.path == str(saved)
+    assert json.loads(saved.read_text())["measured_at"] == replaced.measured_at  # the stale file is gone
+    assert replaced.step != pytest.approx(honest.step * factor, rel=0.5)
+    assert costs.profile_for(lm, fast_path=False) is replaced  # held now: no second check

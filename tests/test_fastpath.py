@@ -4,15 +4,19 @@ On a CPU a program is its function called on its static buffers, so these tests 
 runs except the CUDA graph capture itself; the CUDA tests at the end check that too where a GPU exists.
 """
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 
 from helpers import assert_greedy_identical, baseline_run, tiny_model
 from specgui import decode, fastpath, methods
 from specgui.errors import SpecGUIError
-from specgui.kvcache import KVCache, Layout
+from specgui.kvcache import KVCache
 from specgui.methods.skipdp import HiddenRecorder
-from specgui.runner import SkipPlan
+from specgui.runner import ATTN, SkipPlan
 
 SPECULATIVE = [name for name in methods.names() if name != "baseline"]
 TINY_PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
@@ -21,21 +25,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU her
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_static_forwards_match_model_forward(arch):
-    """Bucketed forwards (5 -> 8, 1, 3 -> 4) and one beyond the largest bucket (70, eager) over one cache."""
+    """Bucketed forwards (5 -> 8, 1, 3 -> 4, 70 -> 128) over one cache; every program was made at warm-up,
+    none while decoding."""
     lm = tiny_model(arch=arch, seed=3)
     ids = torch.randint(0, 48, (82,))
     with torch.inference_mode():
         reference = lm.model(ids[None]).logits[0]
         cache = fastpath.cache_for(lm.runner, 100)
+        made = set(cache.programs)
         chunks = [(0, 5), (5, 6), (6, 9), (9, 79), (79, 82)]
         got = torch.cat([lm.runner.forward(ids[a:b], torch.arange(a, b), cache) for a, b in chunks])
     assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
-    assert cache.lengths == [82] * 4 and sorted(cache.inputs) == [1, 4, 8]
+    assert cache.lengths == [82] * 4 and sorted(cache.inputs) == list(fastpath.BUCKETS)
+    assert set(cache.programs) == made and len(made) == len(fastpath.BUCKETS) * (1 + 2 * 4)
 
 
 def test_masks_pad_rows_that_see_only_themselves():
     visible = torch.tensor([[True, False], [True, True]])
-    m = fastpath.masks([Layout(3, 3, 12), Layout(2, 8, 12)], visible, rows=4, device=torch.device("cpu"))
+    block = torch.eye(4, dtype=torch.bool)  # padded as `BucketInputs.load` pads: a padded row sees itself
+    block[:2, :2] = visible
+    m = fastpath.masks(torch.tensor([[3], [2]]), torch.tensor([[3], [8]]), block, 12)
     assert m.shape == (2, 4, 12)
     # layer 0: prefix 0..2, then the block at 3 (causal), padded rows 2, 3 at columns 5, 6 see only themselves
     assert m[0, 0].nonzero().view(-1).tolist() == [0, 1, 2, 3]
@@ -167,3 +176,105 @@ def test_baseline_helper_is_the_eager_reference(tiny_lm):
     assert baseline_run(tiny_lm, TINY_PROMPTS[0], 8).events[0].fast_path is False
     assert decode.run(tiny_lm, TINY_PROMPTS[0], "baseline", max_new_tokens=8, fast_path="on").token_ids == \
         baseline_run(tiny_lm, TINY_PROMPTS[0], 8).token_ids
+
+
+# -- right by construction: held outputs, memory, long prompts, quantized targets -------------------------
+
+
+FRACTAL_PAST_LAYER_0 = {"layers": "1,3", "window": 3, "policy": "fixed"}
+
+
+@pytest.mark.parametrize("method", methods.names())
+def test_every_method_is_identical_when_every_program_call_poisons_every_other_output(tiny_lm, method):
+    """Under `overwrite_check` an output kept across another program call turns into NaN: a method that
+    holds one (Fractal's splice past layer 0, CLaSp's search states) would change its tokens."""
+    params = FRACTAL_PAST_LAYER_0 if method == "fractal" else None
+    with fastpath.overwrite_check():
+        assert_greedy_identical(tiny_lm, method, TINY_PROMPTS, 24, fast_path="on", params=params, min_accepted=0)
+
+
+def test_the_overwrite_check_catches_a_held_output(tiny_lm):
+    """The check itself: an output held across a later program call is NaN inside it, intact outside."""
+    cache = fastpath.cache_for(tiny_lm.runner, 16)
+    with torch.inference_mode():
+        tiny_lm.runner.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache)
+        for check, poisoned in ((False, False), (True, True)):
+            step = tiny_lm.runner.new_pass(torch.tensor([3]), cache.view(3))
+            with fastpath.overwrite_check() if check else contextlib.nullcontext():
+                held = step.run_unit(torch.ones(1, 1, 64), 0, ATTN)
+                step.run_unit(torch.ones(1, 1, 64), 1, ATTN)
+                assert bool(held.isnan().all()) is poisoned
+
+
+@pytest.mark.parametrize("method", ["fractal", "clasp", "selfdraft"])
+def test_methods_that_hold_states_are_identical_under_the_overwrite_check_on_the_embedded_model(
+        embedded_lm, suite, method):
+    rows = [next(r for r in suite if r.category == "code")]
+    params = {"layers": "6,14,22", "window": 4, "policy": "fixed"} if method == "fractal" else None
+    with fastpath.overwrite_check():
+        assert_greedy_identical(embedded_lm, method, [r.encode(embedded_lm.tokenizer) for r in rows], 16,
+                                fast_path="on", params=params, min_accepted=0)
+
+
+@pytest.mark.parametrize("fast_path", ["on", "off"])
+def test_dropping_a_model_frees_it_and_its_fast_path(fast_path):
+    """A model switch must free the old model, its static cache and every captured graph."""
+    lm = tiny_model(seed=5)
+    decode.run(lm, TINY_PROMPTS[0], "pld", max_new_tokens=8, fast_path=fast_path)
+    model, cache = weakref.ref(lm.model), weakref.ref(lm.runner.static_cache or lm.runner)
+    del lm
+    gc.collect()
+    assert model() is None and cache() is None
+
+
+def test_a_long_prompt_runs_as_bucketed_chunks_identical_to_the_eager_runner():
+    """A 300-token prompt: prefilled as chunks of the largest bucket (no eager [rows, L, C] masks), the
+    same logits and the same tokens as the eager path, and no program made outside warm-up."""
+    lm = tiny_model(seed=7, vocab=64)
+    prompt = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = fastpath.cache_for(lm.runner, 340)
+    made = set(cache.programs)
+    recorded = []
+    with torch.inference_mode():
+        for c in (KVCache(), cache):
+            recorder = HiddenRecorder()
+            recorded.append((lm.runner.forward(torch.tensor(prompt), torch.arange(300), c, observer=recorder),
+                             recorder.row(299)))
+    assert torch.allclose(recorded[0][0], recorded[1][0], atol=1e-5)
+    assert torch.allclose(recorded[0][1], recorded[1][1], atol=1e-5)  # observers see every row once
+    assert set(cache.programs) == made
+    for method in ("baseline", "pld"):
+        fast = decode.run(lm, prompt, method, max_new_tokens=24, fast_path="on")
+        assert fast.token_ids == baseline_run(lm, prompt, 24).token_ids
+
+
+def test_warm_up_makes_every_bucket_once_and_stand_ins_on_demand():
+    runner = tiny_model(seed=4).runner
+    cache = fastpath.cache_for(runner, 16)
+    count = len(cache.programs)
+    assert fastpath.stats(runner)["programs"] == count == len(fastpath.BUCKETS) * (1 + 2 * 4)
+    fastpath.warm_up(cache)
+    assert len(cache.programs) == count  # a second warm-up is free
+    standin = tiny_model(seed=9).runner.layers[2]
+    fastpath.warm_up(cache, [(2, standin)])
+    assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
+
+
+def test_bitsandbytes_targets_never_get_graphs():
+    """bitsandbytes' int8 linears read values on the host: auto leaves the fast path off for them."""
+    bnb = pytest.importorskip("bitsandbytes")
+    lm = tiny_model(seed=2)
+    layer = lm.model.model.layers[0].mlp
+    q = bnb.nn.Linear8bitLt(layer.up_proj.in_features, layer.up_proj.out_features, bias=False,
+                            has_fp16_weights=False)
+    layer.up_proj = q
+    runner = type(lm.runner)(lm.model)
+    assert runner.capturable is False and fastpath.resolve("auto", runner) is False
+
+
+def test_a_run_never_takes_a_profile_of_the_other_path(tiny_lm):
+    from specgui import costs
+
+    eager = costs.profile_for(tiny_lm, False)
+    with pytest.raises(SpecGUIError, match="eager"):
+        decode.run(tiny_lm, TINY_PROMPTS[0], "baseline", max_new_tokens=4, fast_path="on", profile=eager)

@@ -1,6 +1,7 @@
 """The package's layout: every module imports on its own, in a fresh interpreter (no import cycles, no
 module that only works after another one happened to be imported first)."""
 
+import ast
 import pkgutil
 import subprocess
 import sys
@@ -39,3 +40,68 @@ def test_the_top_level_holds_the_core_and_front_ends_only():
     """Parts only methods use live in specgui/methods/, beside the methods."""
     top = {p.stem for p in (ROOT / "specgui").glob("*.py")}
     assert not top & {"layerskip", "skipdp", "compress", "ngram_cache"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """specgui's modules and the specgui modules each imports, at module level or inside functions (ast, so an
+    import deferred into a function to dodge a circle still counts). `importlib.import_module` in a package's
+    `__init__` (the method registry) counts as importing every module of the package."""
+    package = ROOT / "specgui"
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base for alias in node.names]
+            elif (is_package and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "import_module"):
+                targets = [other for other in names if other.startswith(name + ".")]
+            graph[name] |= {t for t in targets if t in names and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_circle():
+    graph = import_graph()
+    # the walk sees the edges that matter: the loop imports the cost model, the registry its methods
+    assert "specgui.costs" in graph["specgui.decode"] and "specgui.methods.pld" in graph["specgui.methods"]
+    assert "specgui.costs" in graph["specgui.methods.base"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -1,14 +1,17 @@
 """The run controller: decoding on the device thread, method-then-baseline order, cache, stop, replay pace."""
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from ui_helpers import prefill, run, start, step
 
-from specgui import decode
+from helpers import tiny_model
+from specgui import costs, decode
 from specgui.errors import SpecGUIError
-from specgui.events import Step, Summary
+from specgui.events import Start, Step, Summary
 from specgui.sampling import Sampling
 from specgui.ui import runs
 from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, StopFlags, Worker
@@ -223,3 +226,30 @@ def test_stop_flags_are_per_session():
     mine, theirs = flags.fresh("me"), flags.fresh("them")
     assert flags.stop("me") and mine.is_set() and not theirs.is_set()
     assert not flags.stop("nobody")
+
+
+def test_a_stale_saved_profile_prices_the_run_with_a_notice_and_is_measured_again_after_it(tmp_path, monkeypatch):
+    """A profile another CPU (8x slower) saved in a shared cache folder: the run is not held up, it is priced by
+    that profile and says so; once the run is over the profile is measured again on this machine."""
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path / "here"))
+    honest = costs.profile_for(tiny_model(seed=21), fast_path=False)
+    foreign = json.loads(Path(honest.path).read_text())
+    foreign.update(step=honest.step * 8, measured_at=1.0, forward=[[ms * 8 for ms in row] for row in honest.forward])
+    saved = tmp_path / "shared" / "profiles" / Path(honest.path).name
+    saved.parent.mkdir(parents=True)
+    saved.write_text(json.dumps(foreign))
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path / "shared"))
+    lm = tiny_model(seed=22)  # a runner this process holds no profile for
+    store = ModelStore(loader=lambda spec: lm, check=lambda spec: None)
+
+    ticks = list(runs.live(store, BaselineCache(), request(), threading.Event()))
+    notices = [t for t in ticks if "no longer holds" in t.status]
+    assert len(notices) == 1 and notices[0].note == notices[0].status and "measured 1970-01-01" in notices[0].status
+    starts = [e for t in ticks for e in t.events if isinstance(e, Start)]
+    assert [s.costs["step"] for s in starts] == [honest.step * 8] * 2  # both panes priced by it: not held up
+    assert ticks.index(notices[0]) < ticks.index(next(t for t in ticks if t.events))  # said before the run
+    assert ticks[-1].status.startswith("measuring the cost profile again")
+    again = json.loads(saved.read_text())
+    assert again["measured_at"] > 1.0 and again["step"] != honest.step * 8  # replaced on disk
+    assert costs.profile_for(lm, fast_path=False).measured_at == again["measured_at"]  # and held for the next run
+    assert device_free() and not store.busy.locked()

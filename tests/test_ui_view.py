@@ -220,6 +220,19 @@ def test_why_says_what_the_cost_model_predicted():
     assert f"Counting the prompt forward: {reason.overall:.2f}× overall." in reason.sentence()
 
 
+def test_why_names_the_profile_that_priced_the_run():
+    priced = [dataclasses.replace(step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)), predicted_ms=75.0,
+                                  plain_ms=50.0) for i in range(4)]
+    profiled = dataclasses.replace(start("pld"), costs={"sizes": [1], "contexts": [128], "forward": [[40.0]],
+                                                        "step": 50.0, "loop": 10.0, "device": "cpu AMD EPYC x2",
+                                                        "measured_at": 1795000000.0})
+    reason = why(view_of(run(profiled, prefill(), *priced)), _timed("baseline", _plain(12)))
+    assert reason.priced_by == "measured 2026-11-18 11:06 UTC on cpu AMD EPYC x2"
+    assert reason.sentence().endswith(" Priced by the cost profile measured 2026-11-18 11:06 UTC on cpu AMD EPYC x2.")
+    unpriced = why(_timed("pld", [step(i + 1, [11, 12], [0, 1], 13) for i in range(4)]), _timed("baseline", _plain(12)))
+    assert "Priced by" not in unpriced.sentence()  # no prediction, no profile to name
+
+
 @pytest.mark.parametrize("steps, lost", [
     # the draft costs most of a plain step and buys little more than the verifier's own token
     ([step(i + 1, [11, 12], [0], 13, ms=(60.0, 52.0, 0.0)) for i in range(4)], "draft too costly"),

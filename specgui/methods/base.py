@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
@@ -94,6 +95,11 @@ class Drafter:
 
     def begin(self, state: DecodeState) -> Observer | None:
         return None
+
+    def stand_ins(self) -> list[tuple[int, nn.Module]]:
+        """Modules this method runs in place of decoder layers, as (layer, module): Fractal's compressed
+        copies. The fast path makes their programs before timing starts, as it does the model's own."""
+        return []
 
     def sizing(self, state: DecodeState, sizes: Iterable[int]) -> DraftPolicy:
         """The policy that sizes this method's drafts: the cost model's, or the largest size always when the

@@ -23,7 +23,6 @@ import torch
 
 from specgui.costs import time_ms
 from specgui.draft import Outcome
-from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState, register
 from specgui.methods.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
 from specgui.methods.policy import Plan
@@ -104,10 +103,13 @@ class Clasp(LayerSkipDrafter):
 
     def _search_ms(self, state: DecodeState) -> float:
         """One DP's ms on this model and device (the profile's `clasp.search...` mechanism), timed on a
-        32-token context built from the prompt's tokens: the DP's cost depends on the model, not the text."""
+        32-token context built from the prompt's tokens: the DP's cost depends on the model, not the text.
+        It runs on the path the run takes, over the run's own cache (empty in `begin`, emptied again)."""
         tokens = torch.tensor((state.tokens * 32)[:32])
-        cache, recorder = KVCache(), HiddenRecorder()
-        self.runner.forward(tokens, torch.arange(32), cache, observer=recorder, logits_rows=slice(31, 32))
+        recorder = HiddenRecorder()
+        self.runner.forward(tokens, torch.arange(32), state.cache, observer=recorder, logits_rows=slice(31, 32))
         hidden = recorder.row(31)
-        return time_ms(lambda: search(self.runner, cache, 31, hidden, self.units, self.budget), self.runner.device,
-                       repeats=3)
+        ms = time_ms(lambda: search(self.runner, state.cache, 31, hidden, self.units, self.budget),
+                     self.runner.device, repeats=3)
+        state.cache.crop(0)
+        return ms

@@ -291,12 +291,14 @@ def compressed_copy(runner: Runner, backend: str = "auto") -> tuple[CompressedMo
     built it (first use only)."""
     check_backend(backend, runner.device)
     per_runner = _COPIES.setdefault(runner, {})
-    if backend == "auto":
+    auto = backend == "auto"
+    if auto:
         backend = per_runner["auto"].backend if "auto" in per_runner else cheapest(runner)
     built = backend not in per_runner
     if built:
         per_runner[backend] = compress(runner, backend)
-    per_runner.setdefault("auto", per_runner[backend])
+    if auto:  # an explicitly named backend never becomes what "auto" means
+        per_runner["auto"] = per_runner[backend]
     return per_runner[backend], built
 
 
@@ -308,16 +310,25 @@ def candidates(device: torch.device) -> list[str]:
     return [b for b in CUDA_BACKENDS if b != "fp8" or fp8]
 
 
-def cheapest(runner: Runner, rows: int = 8) -> str:
-    """The candidate whose copies of one decoder layer's projections run fastest over `rows` rows."""
+def cheapest(runner: Runner, rows: int = 9) -> str:
+    """The candidate whose compressed pass over `rows` rows (a verify's pending token and 8 slots) costs
+    least: every layer's projections (one layer's copy, timed, times the layer count) plus the compressed
+    LM head, the largest single matrix of a small model. Attention over the cache and the norms are the
+    same whatever the backend, so they do not decide."""
     layer = runner.layers[0]
-    linears = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj]
-    inputs = [torch.randn(1, rows, lin.in_features, dtype=runner.dtype, device=runner.device) for lin in linears]
     timings = {}
     for backend in candidates(runner.device):
         try:
-            copies = [_maker(backend)(linear) for linear in linears]
-            timings[backend] = _time(copies, inputs, runner.device)
+            make = _maker(backend)
+            copy = CompressedLayer(layer, make)
+            linears = [copy.self_attn.qkv_proj, copy.self_attn.o_proj, copy.mlp.gate_up_proj, copy.mlp.down_proj]
+            sizes = [runner.config.hidden_size, layer.self_attn.o_proj.in_features, runner.config.hidden_size,
+                     layer.mlp.down_proj.in_features]
+            inputs = [torch.randn(1, rows, k, dtype=runner.dtype, device=runner.device) for k in sizes]
+            head = make(runner.lm_head)
+            x = torch.randn(rows, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
+            timings[backend] = runner.num_layers * _time(linears, inputs, runner.device) + _time([head], [x],
+                                                                                                   runner.device)
         except (RuntimeError, SpecGUIError) as exc:  # a kernel this device or build lacks
             LOG.info("compression backend %s unavailable here: %s", backend, str(exc).splitlines()[0])
     if not timings:

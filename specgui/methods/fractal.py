@@ -123,6 +123,7 @@ class Splice:
             return h
         comp, runner = self.plan.compressed, self.plan.runner
         start = self.plan.clock.mark()
+        exact = step.lasting(h[:, : self.exact])  # `h` may be a program's output: the passes below run others
         # upper: layers >= `layer` hold only the committed prefix so far, so every row of the forward runs
         upper = runner.new_pass(self.all_positions, self.cache.view(self.committed))
         x = comp.run(upper, h, range(layer, runner.num_layers))
@@ -132,7 +133,7 @@ class Splice:
         y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
         self.guesses.append(guesses)
         self.marks.append((start, self.plan.clock.mark()))
-        return torch.cat([h[:, : self.exact], y.to(h.device)], dim=1)
+        return torch.cat([exact, y.to(h.device)], dim=1)
 
     def observer(self, k: int, h: torch.Tensor) -> None:
         """Marks the forward's start (embedding output) and end (last sub-layer) for the time split."""
@@ -208,7 +209,7 @@ class Fractal(Drafter):
         w = self.plan.window
         self.policy = self.sizing(state, range(1, w + 1))
         key = f"fractal.pass.{self.plan.compressed.backend}.rows{1 + w}"
-        self.pass_ms = state.profile.mechanism(key, lambda: self._pass_ms(1 + w)) if state.profile else 1.0
+        self.pass_ms = state.profile.mechanism(key, lambda: self._pass_ms(state, 1 + w)) if state.profile else 1.0
 
     def draft(self, state: DecodeState) -> Draft:
         """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
@@ -240,16 +241,21 @@ class Fractal(Drafter):
         return Draft(tokens=tokens, extras=extras, observer=observer, cost_ms=cost + (passes if extras else 0.0),
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
 
-    def _pass_ms(self, rows: int) -> float:
-        """One compressed pass (every compressed layer and the head) over `rows` rows after a 128-token prefix."""
+    def stand_ins(self) -> list[tuple[int, Any]]:
+        return list(enumerate(self.plan.compressed.layers))
+
+    def _pass_ms(self, state: DecodeState, rows: int) -> float:
+        """One compressed pass (every compressed layer and the head) over `rows` rows after a 128-token prefix,
+        on the path the run takes: over the run's own cache, still empty in `begin`, and emptied again."""
         runner, comp = self.runner, self.plan.compressed
         prefix = torch.arange(128) % int(runner.config.vocab_size)
-        cache = KVCache()
         with torch.inference_mode():
-            runner.forward(prefix, torch.arange(128), cache)
-            step = runner.new_pass(torch.arange(128, 128 + rows), cache.view(128))
+            runner.forward(prefix, torch.arange(128), state.cache)
+            step = runner.new_pass(torch.arange(128, 128 + rows), state.cache.view(128))
             h = comp.embed(prefix[:rows].view(1, -1).to(runner.embed_device))
-            return time_ms(lambda: comp.logits(comp.run(step, h, range(runner.num_layers))), runner.device, 3)
+            ms = time_ms(lambda: comp.logits(comp.run(step, h, range(runner.num_layers))), runner.device, 3)
+        state.cache.crop(0)
+        return ms
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if outcome.prefill:

@@ -123,7 +123,9 @@ class _RowPasses:
         h = batch.unsqueeze(0)
         for layer, kind in unit:
             h = self.passes[n].run_unit(h, layer, kind)
-        return h[0].to(batch.device)  # layers may sit on other devices (device_map); the DP stays on one
+        # kept across later units' passes: lasting (on the fast path `h` is a program's reused output buffer);
+        # layers may sit on other devices (device_map), the DP stays on one
+        return self.passes[n].lasting(h)[0].to(batch.device)
 
 
 class HiddenRecorder:

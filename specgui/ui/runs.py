@@ -13,9 +13,11 @@
   decode goes through `hosting.gpu` (a ZeroGPU slice on Spaces, a no-op elsewhere), and the submitting
   request's context travels to `DEVICE` with it.
 - `live` runs the method, then a fresh baseline, `repeats` times in turn (so drift in machine load falls on
-  both alike), and yields `Tick`s; baseline's events come from `BaselineCache` (same model, prompt ids and
-  settings) only when the visitor asks for it. `replay` yields recorded events at the recorded pace: the
-  race after a live run, or a trace file where no model can be loaded.
+  both alike), and yields `Tick`s. Both are priced by one cost profile, checked first (`costs.lookup`: a
+  couple of plain steps against the saved profile's); a stale one still prices the run, which is not held up,
+  with a notice, and is measured again once the run is over. Baseline's events come from `BaselineCache`
+  (same model, prompt ids and settings) only when the visitor asks for it. `replay` yields recorded events
+  at the recorded pace: the race after a live run, or a trace file where no model can be loaded.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgui import decode, hosting
+from specgui import costs, decode, fastpath, hosting
+from specgui.costs import CostProfile, Drift
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary
 from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
@@ -229,13 +232,48 @@ def gpu_decode(lm: LoadedModel, ids: list[int], method: str, **kwargs: Any) -> I
     yield from decode.generate(lm, ids, method, **kwargs)
 
 
-def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequest) -> EventSource:
-    """`gpu_decode` for `method` as a Worker source (the request's parameters apply to its own method)."""
+@hosting.gpu
+def gpu_profile(lm: LoadedModel, fast: bool, measure: bool) -> tuple[CostProfile | None, Drift | None]:
+    """The model's cost profile on this path: held or saved-and-checked (`costs.lookup`), or with `measure`
+    measured now (`costs.remeasure`). Model work, so it runs on `DEVICE` (and in a GPU slice on ZeroGPU)."""
+    if measure:
+        return costs.remeasure(lm, fast, run=decode.run), None
+    return costs.lookup(lm, fast, run=decode.run)
+
+
+def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequest,
+                  profile: CostProfile | None = None) -> EventSource:
+    """`gpu_decode` for `method` as a Worker source (the request's parameters apply to its own method); priced by
+    `profile` (None: the model's, as `decode.generate` finds it)."""
     params = request.params if method == request.method else None
     return lambda should_stop: gpu_decode(lm, ids, method, max_new_tokens=request.max_new_tokens,
                                           sampling=request.sampling, params=params,
                                           prompt_text=request.prompt_text, fast_path=request.fast_path,
-                                          should_stop=should_stop)
+                                          should_stop=should_stop, profile=profile)
+
+
+def _on_device(fn: Callable[..., Any], *args: Any) -> Any:
+    return DEVICE.submit(contextvars.copy_context().run, fn, *args).result()
+
+
+def priced(lm: LoadedModel, request: RunRequest) -> Iterator[Tick]:
+    """Status ticks while the run's cost profile is made ready; returns (profile, drift when it is stale).
+
+    A model's first run on this machine has no profile to be priced by, so it waits for one to be measured;
+    a saved profile that a couple of plain steps now contradict (`Drift.stale`) still prices the run, which
+    is not held up, and the notice says so (the caller measures it again after the run).
+    """
+    fast = fastpath.resolve(request.fast_path, lm.runner)
+    profile, drift = _on_device(gpu_profile, lm, fast, False)
+    if profile is None:
+        yield Tick(status="measuring the cost profile of this model on this machine (its first run here) …")
+        profile, drift = _on_device(gpu_profile, lm, fast, True)
+    if drift is None or not drift.stale:
+        return profile, None
+    notice = (f"the saved cost profile ({profile.origin()}) no longer holds: {drift.sentence()}; this run is priced "
+              "by it, and it is measured again after the run")
+    yield Tick(status=notice, note=notice)
+    return profile, drift
 
 
 def fit_context(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> tuple[int, str]:
@@ -267,23 +305,32 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
         yield Tick(status=note, note=note)
     key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens, request.fast_path)
     with store.busy:
-        for repeat in range(request.repeats):
-            worker = Worker(decode_source(lm, ids, request.method, request), stop)
-            yield from _ticks(worker, METHOD, repeat)
-            if request.method == "baseline":
-                cache.put(key, worker.events)
-            if stop.is_set():
-                return
-            # the page drew the method's last frame while this generator waited: nothing was decoding then
-            hit = cache.get(key) if request.reuse_baseline else None
-            if hit is not None:
-                yield Tick(BASELINE, hit[0], cached_at=hit[1], repeat=repeat)
-                continue
-            worker = Worker(decode_source(lm, ids, "baseline", request), stop)
-            yield from _ticks(worker, BASELINE, repeat)
+        profile, stale = yield from priced(lm, request)
+        yield from _pairs(lm, ids, cache, key, request, stop, profile)
+        if stale is not None:  # after the run, before the device serves anyone else
+            yield Tick(status="measuring the cost profile again on this machine …")
+            _on_device(gpu_profile, lm, fastpath.resolve(request.fast_path, lm.runner), True)
+
+
+def _pairs(lm: LoadedModel, ids: list[int], cache: BaselineCache, key: tuple, request: RunRequest,
+           stop: threading.Event, profile: CostProfile) -> Iterator[Tick]:
+    for repeat in range(request.repeats):
+        worker = Worker(decode_source(lm, ids, request.method, request, profile), stop)
+        yield from _ticks(worker, METHOD, repeat)
+        if request.method == "baseline":
             cache.put(key, worker.events)
-            if stop.is_set():
-                return
+        if stop.is_set():
+            return
+        # the page drew the method's last frame while this generator waited: nothing was decoding then
+        hit = cache.get(key) if request.reuse_baseline else None
+        if hit is not None:
+            yield Tick(BASELINE, hit[0], cached_at=hit[1], repeat=repeat)
+            continue
+        worker = Worker(decode_source(lm, ids, "baseline", request, profile), stop)
+        yield from _ticks(worker, BASELINE, repeat)
+        cache.put(key, worker.events)
+        if stop.is_set():
+            return
 
 
 def check_trace_count(n: int) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specgui.costs import describe_origin
 from specgui.equality import Divergence, first_divergence
 from specgui.events import Event, Prefill, Start, Step, Summary
 from specgui.methods.policy import MARGIN, PRIOR_ALPHA
@@ -413,8 +414,9 @@ class Why:
     average) and `other` (acceptance, cache cropping, the method's bookkeeping). `overall` is the measured
     tokens/s ratio, which also counts each run's prompt forward. The break-even tau is `cost`: the tokens a
     step must yield to pay for itself. `predicted` is the cost model's speedup for the method's run
-    (`Summary.predicted_speedup`: its steps priced by the measured profile), None when it has none.
-    `why` is the one place that builds these fields.
+    (`Summary.predicted_speedup`: its steps priced by the measured profile), None when it has none;
+    `priced_by` names that profile (when and where it was measured, from the run's Start event), so a
+    prediction from an old or foreign profile shows it. `why` is the one place that builds these fields.
     """
 
     tau: float
@@ -428,6 +430,7 @@ class Why:
     lost: str | None  # on a losing run, the term that lost
     noise_check: bool = False  # baseline against itself: any difference from 1x is the machine's noise
     predicted: float | None = None
+    priced_by: str = ""  # e.g. "measured 2026-11-24 19:20 UTC on cpu AMD EPYC x2"
 
     def sentence(self) -> str:
         """E.g. '1.31× per step (predicted 1.35×): tau 2.10; a step costs 1.60 plain steps (draft 0.50, verify of
@@ -446,6 +449,8 @@ class Why:
             text += f" Lost: {self.lost}."
         if f"{self.overall:.2f}" != f"{self.per_step:.2f}":
             text += f" Counting the prompt forward: {self.overall:.2f}× overall."
+        if self.predicted and self.priced_by:
+            text += f" Priced by the cost profile {self.priced_by}."
         return text
 
 
@@ -474,8 +479,10 @@ def why(method: RunView, baseline: RunView) -> Why | None:
     noise_check = method.method == "baseline"
     lost = _lost(method, draft, verify - 1, other, forward) if tau < cost and not noise_check else None
     predicted = method.summary.predicted_speedup if method.summary else None
+    curve = method.start.costs if method.start is not None else {}
+    priced_by = describe_origin(curve["device"], curve.get("measured_at", 0.0)) if curve.get("device") else ""
     return Why(tau, tau / cost, cost, draft, verify, other, forward, method.tokens_per_s / baseline.tokens_per_s, lost,
-               noise_check, predicted)
+               noise_check, predicted, priced_by)
 
 
 def _lost(method: RunView, draft: float, extra_verify: float, other: float, forward: float) -> str:
