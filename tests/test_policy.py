@@ -12,11 +12,24 @@ from specgui.methods.policy import MARGIN, PRIOR_ALPHA, DraftPolicy
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 
 
+# The drafting mechanisms tiny_lm's runs here ask the profile for, at what they measured on a quiet machine
+# (ms): a hand-made profile prices them too, so that no verdict here rests on a timing taken during the test
+# (a CLaSp search measured on a busy machine could cost more than the hand-made forward)
+MECHANISMS = {"pld.lookup": 0.002, "selfdraft.retrieve": 0.007, "clasp.search.layer.2": 2.4,
+              "fractal.pass.torch-int8.rows3": 2.2}
+
+
 def profile(forward: list[float], *, layers: int = 4, unit: float = 1.0, step_extra: float = 0.0) -> CostProfile:
     """A hand-made profile: `forward[i]` ms for i + 1 new tokens, at one context; equal sub-layer costs."""
     return CostProfile(key={"model": "hand-made", "device": "cpu", "dtype": "float32", "fast_path": False},
                        sizes=list(range(1, len(forward) + 1)), contexts=[128], forward=[forward],
-                       step=forward[0] + step_extra, attn=[unit] * layers, mlp=[unit] * layers, head=0.1)
+                       step=forward[0] + step_extra, attn=[unit] * layers, mlp=[unit] * layers, head=0.1,
+                       mechanisms=dict(MECHANISMS))
+
+
+def measured_nothing(*profiles: CostProfile) -> bool:
+    """Every mechanism the runs priced came from the hand-made profile, none from a timing taken meanwhile."""
+    return all(p.mechanisms == MECHANISMS for p in profiles)
 
 
 def test_a_verdict_teaches_every_size_up_to_what_it_verified():
@@ -110,6 +123,7 @@ def test_layer_skip_pauses_where_a_draft_token_costs_a_forward(tiny_lm):
     again = decode.run(tiny_lm, PROMPT, "clasp", max_new_tokens=40, profile=cheap, params={"det": 0.0})
     assert again.token_ids == result.token_ids == baseline_run(tiny_lm, PROMPT, 40).token_ids
     assert sum(s.drafted for s in again.steps) > sum(s.drafted for s in result.steps)
+    assert measured_nothing(dear, cheap)
 
 
 def test_predicted_speedup_of_a_run_prices_its_steps():
@@ -121,6 +135,7 @@ def test_predicted_speedup_of_a_run_prices_its_steps():
     assert summary.predicted_s == pytest.approx(prompt_s + 0.010 * summary.steps, rel=0.01)  # + the lookups
     assert summary.plain_s == pytest.approx(prompt_s + 0.010 * (summary.new_tokens - 1))
     assert summary.predicted_speedup > 1  # pld repeats the prompt; on a flat profile every match pays
+    assert measured_nothing(flat)
 
 
 SIZED = [n for n in methods.names() if "policy" in {f.name for f in dataclasses.fields(methods.get(n).Params)}]
@@ -147,3 +162,4 @@ def test_every_sized_method_obeys_the_profile_and_stays_lossless(tiny_lm, method
     modes = [s.payload["plan"]["mode"] for s in runs["dear"].steps if "plan" in s.payload]
     assert "draft" not in modes and modes.count("paused") >= len(modes) // 2
     assert sum(s.drafted for s in runs["cheap"].steps) > sum(s.drafted for s in runs["dear"].steps)
+    assert measured_nothing(cheap, dear)
