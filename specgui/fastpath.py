@@ -212,8 +212,8 @@ class StaticKVCache(KVCache):
                                f"{self.capacity} positions; use --fast-path off")
         return Layout(n, n, self.columns)
 
-    def view(self, length: int) -> StaticView:
-        return StaticView(self, length)
+    def view(self, length: int, scratch: bool = False) -> StaticView:
+        return StaticView(self, length)  # a static view's keys always go to the scratch region
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +277,7 @@ class StaticView:
             raise SpecGUIError(f"a read-only pass of {rows} tokens exceeds the fast path's scratch of {SCRATCH}")
         return Layout(self.get_seq_length(layer), self.store.capacity, self.store.columns)
 
-    def view(self, length: int) -> StaticView:
+    def view(self, length: int, scratch: bool = False) -> StaticView:
         return StaticView(self.store, min(length, self.length))
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,

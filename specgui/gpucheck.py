@@ -66,6 +66,7 @@ class Options:
     bench_tokens: int
     shape_tokens: int
     bench_model: str  # the model bench, capture, syncs and switch run (embedded, or a toy in quick CPU form)
+    identity_model: str  # the model every method's identity runs on (the same choice)
     shape_models: tuple[str, ...]
 
     @property
@@ -96,7 +97,7 @@ def options(device: str = "auto", quick: bool = False, method_names: list[str] |
         bench_prompts=(2 if quick else 8) if cuda else (1 if quick else 4),
         bench_tokens=(32 if quick else 64) if cuda else (8 if quick else 48),
         shape_tokens=16 if quick else 64,
-        bench_model="random:tiny" if toy else EMBEDDED,
+        bench_model="random:tiny" if toy else EMBEDDED, identity_model="random:tiny" if toy else EMBEDDED,
         shape_models=("random:llama-3b", "random:llama-8b") if cuda else
                      (("random:tiny",) if quick else ("random:smollm2-135m",)),
     )
@@ -206,7 +207,7 @@ def section_identity(ctx: Context) -> dict[str, Any]:
     """Every method on the fast path, fp32, greedy, against the eager baseline, token for token; again with
     every program call overwriting every other program's output (`fastpath.overwrite_check`)."""
     opts = ctx.opts
-    lm = ctx.model(EMBEDDED, "float32")
+    lm = ctx.model(opts.identity_model, "float32")
     encoded = [row.encode(lm.tokenizer) for row in ctx.rows(opts.identity_prompts)]
     n = opts.identity_tokens
     bases = [decode.run(lm, ids, "baseline", max_new_tokens=n, fast_path="off") for ids in encoded]

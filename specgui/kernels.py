@@ -1,79 +1,244 @@
-"""A CPU matmul shape choice, made by measurement, for the multi-token forwards speculative methods verify.
+"""CPU products of a few rows (a decoding step, a verify forward), each computed in the form measured fastest.
 
-A linear layer over a few rows can be computed as `x @ W.T` (the stock kernel) or as `(W @ x.T).T`, and
-which is faster depends on the CPU and its BLAS. On one development machine (MKL, 2 cores, fp32) the stock
-kernel over 2-8 rows was *slower* than over one row, and the transposed form made a 4-token forward of
-SmolLM2-135M cost 46 ms instead of 84-92 ms; on another (MKL, 2 cores, fp32, 2026-11-23) the transposed
-form took 110 us against 32 us for two rows of a 576 x 1536 product and doubled every multi-token
-forward. So neither is assumed: `install` times both forms on each distinct weight shape of the model at
-load, for 2 ... 64 rows, and routes a product through the transposed form only for the row counts where
-it measured faster. One-row products always keep the stock kernel.
+A decoding step multiplies 1-16 rows by every weight matrix once: on a CPU that is bound by streaming the
+weights (540 MB a forward for SmolLM2-135M in fp32), so a forward over a few rows could cost about what one
+row costs. BLAS kernels tuned for large products do not get there, and differently on every CPU: on one
+development machine (Intel, MKL, fp32) the stock kernel over 2-8 rows was slower than over one row and
+`(W @ x.T).T` halved a 4-token forward; on another it doubled every multi-token forward; on an AMD EPYC
+(AVX2, one thread, weights streamed from memory) the stock kernel's LM head took 11.5 ms for one row and
+22 ms for two. So three forms are measured, none assumed:
 
-It is installed on the model's own `nn.Linear` modules, so everything that runs the model benefits
-alike, transformers' `generate` (and its prompt lookup) included: comparisons stay like for like.
+  stock       `x @ W.T` (torch's kernel)
+  transposed  `(W @ x.T).T`
+  skinny      `specgui/csrc/skinny_linear.c`: each block of weight rows read from memory once and
+              multiplied with every input row in registers (AVX2 + FMA), compiled on first use with the
+              machine's C compiler (none, or no AVX2: the form is not offered). Its rows come out the same
+              whatever other rows share the call, so a verify forward's rows equal plain steps' bit for bit.
+
+`install` times each form on every distinct weight shape of the model, for 1 ... 16 rows, calling the
+model's own modules of that shape in turn so that the weights come from memory as they do in a forward,
+and routes each row count through the fastest. Larger products keep the stock kernel. The choice is saved
+per CPU, thread count and shape (`<cache>/kernels/`), so later loads read it instead of timing again.
+
+It is installed on the model's own `nn.Linear` modules, so everything that runs the model benefits alike,
+transformers' `generate` (and its prompt lookup) included: comparisons stay like for like.
 `python -m specgui bench --small-batch-matmul off` measures without it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
 import time
 import types
-from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
 
 import torch
 from torch import nn
 
-MAX_ROWS = 64
-PROBE_ROWS = (2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts timed; others take the nearest one below
+from specgui.cachedir import cache_root
+
+FORMS = ("stock", "transposed", "skinny")
+MAX_ROWS = 16
+PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # row counts timed; others take the nearest one below
+STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
+SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+LOG = logging.getLogger("specgui.kernels")
 
 
-def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if rows not in self.transposed_rows:
-        return nn.functional.linear(x, self.weight, self.bias)
-    out = (self.weight @ x.reshape(rows, x.shape[-1]).t()).t()
-    if self.bias is not None:
-        out = out + self.bias
-    return out.reshape(*x.shape[:-1], self.weight.shape[0])
-
-
-def install(model: nn.Module, rows: Iterable[int] | None = None) -> int:
-    """Route products of every plain CPU `nn.Linear` through the transposed form for the row counts where it
-    measured faster on that weight's shape (or for `rows`, when given); return how many modules take it."""
-    forced = frozenset(rows) if rows is not None else None
-    chosen: dict[tuple[int, ...], frozenset[int]] = {}
-    count = 0
+def install(model: nn.Module, cache_dir: Path | None = None, forced: str | None = None) -> dict[str, int]:
+    """Route every plain fp32 CPU `nn.Linear` of `model` through the form measured fastest on its weight shape,
+    per row count up to MAX_ROWS (`forced`: one form for every row count, for tests and comparisons). Choices are
+    read from / saved to `cache_dir` when given. Returns how many modules take each form at one row or more."""
+    shapes: dict[tuple[int, int], list[nn.Linear]] = {}
     for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.device.type != "cpu" or hasattr(module, "_hf_hook"):
-            continue
-        shape = tuple(module.weight.shape)
-        if shape not in chosen:
-            chosen[shape] = forced if forced is not None else faster_rows(module.weight)
-        if chosen[shape]:
-            module.transposed_rows = chosen[shape]
-            module.forward = types.MethodType(_linear, module)
-            count += 1
-    return count
+        if (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+                and module.weight.is_contiguous() and not hasattr(module, "_hf_hook")):
+            shapes.setdefault(tuple(module.weight.shape), []).append(module)
+    offered = available_forms()
+    if forced is not None and forced not in offered:
+        raise ValueError(f"kernel form {forced!r} is not available here (available: {', '.join(offered)})")
+    saved_path = _choice_path(cache_dir) if cache_dir is not None and forced is None else None
+    saved = _read_choices(saved_path, offered)
+    counts: dict[str, int] = {}
+    for shape, modules in shapes.items():
+        key = f"{shape[0]}x{shape[1]}"
+        if forced is not None:
+            table = [forced] * (MAX_ROWS + 1)
+        else:
+            table = saved.get(key) or choose(modules, offered)
+            saved[key] = table
+        for module in modules:
+            module.row_forms = tuple(table)
+            module.forward = types.MethodType(_forward, module)
+        for form in set(table[1:]):
+            counts[form] = counts.get(form, 0) + len(modules)
+    if saved_path is not None and saved:
+        _write_choices(saved_path, saved)
+    return counts
 
 
-def faster_rows(weight: torch.Tensor, repeats: int = 5) -> frozenset[int]:
-    """Row counts in 2..MAX_ROWS for which `(W @ x.T).T` beat `x @ W.T` (median of `repeats`) on `weight`."""
-    wins = []
+def signature(model: nn.Module) -> str:
+    """A short name of the forms installed on `model` (part of a cost profile's key: other kernels, other costs)."""
+    tables = sorted({getattr(m, "row_forms", ()) for m in model.modules() if type(m) is nn.Linear})
+    if tables == [()]:
+        return "stock"
+    return hashlib.sha1(json.dumps(tables).encode()).hexdigest()[:10]
+
+
+def available_forms() -> tuple[str, ...]:
+    """The forms this machine can run: stock and transposed always, skinny where its library builds."""
+    return FORMS if skinny_library() is not None else FORMS[:2]
+
+
+def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 5) -> list[str]:
+    """Per row count 0..MAX_ROWS, the fastest form on these modules' shape (median of `repeats`; index 0 unused)."""
+    weight = modules[0].weight
+    cycle = modules[: max(1, min(len(modules), STREAM_BYTES // (weight.numel() * 4)))]
+    best = []
     with torch.inference_mode():
-        for n in PROBE_ROWS:
-            x = torch.randn(n, weight.shape[1], dtype=weight.dtype)
-            stock = _median_s(lambda x=x: x @ weight.t(), repeats)
-            transposed = _median_s(lambda x=x: (weight @ x.t()).t(), repeats)
-            wins.append(transposed < stock)
-    return frozenset(r for r in range(2, MAX_ROWS + 1)
-                     if wins[max(i for i, n in enumerate(PROBE_ROWS) if n <= r)])
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, weight.shape[1])
+            times = _medians_s({form: [(FUNCTIONS[form], m, x) for m in cycle] for form in offered}, repeats)
+            best.append(min(times, key=times.get))
+    return ["stock"] + [best[max(i for i, n in enumerate(PROBE_ROWS) if n <= r)] for r in range(1, MAX_ROWS + 1)]
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[repeats // 2]
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows): two CPUs of one architecture and
+    core count can differ by 1.75x in a forward, so what is measured on one names the model, not only "x86_64"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# -- the forms ---------------------------------------------------------------------------------------------------
+
+
+def _stock(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x, module.weight, module.bias)
+
+
+def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = (module.weight @ x.t()).t()
+    return out if module.bias is None else out + module.bias
+
+
+def _skinny(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, module.weight.shape[0])
+    bias = module.bias
+    skinny_library().skinny_linear(x.data_ptr(), module.weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   out.data_ptr(), rows, k, module.weight.shape[0], torch.get_num_threads())
+    return out
+
+
+FUNCTIONS = {"stock": _stock, "transposed": _transposed, "skinny": _skinny}
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > MAX_ROWS or x.dtype != torch.float32 or x.requires_grad:
+        return nn.functional.linear(x, self.weight, self.bias)
+    form = self.row_forms[rows]
+    if form == "stock":
+        return nn.functional.linear(x, self.weight, self.bias)
+    return FUNCTIONS[form](self, x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+# -- the skinny library -------------------------------------------------------------------------------------------
+
+
+@cache
+def skinny_library() -> ctypes.CDLL | None:
+    """The compiled skinny kernel (built once per source and machine into the cache), or None where it cannot
+    run: not x86-64 with AVX2 and FMA, no C compiler, or a failed build (logged)."""
+    flags = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        LOG.info("no C compiler: the skinny matmul kernel is not offered")
+        return None
+    target = cache_root() / "kernels" / f"skinny_linear-{_source_digest()}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        if done.returncode != 0:
+            LOG.warning("the skinny matmul kernel did not build: %s", done.stderr.strip().splitlines()[-1:])
+            return None
+        os.replace(partial, target)  # atomic: processes building at once each leave a whole library
+    library = ctypes.CDLL(str(target))
+    library.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    library.skinny_linear.restype = ctypes.c_int
+    return library
+
+
+@cache
+def _source_digest() -> str:
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+
+
+@cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+# -- measuring and saving -------------------------------------------------------------------------------------------
+
+
+def _medians_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each form's pass of (function, module, input) calls, after a warm-up pass; the
+    forms take turns in every round, so a machine slowing down mid-way weighs on all of them alike."""
+    samples: dict[str, list[float]] = {form: [] for form in passes}
+    for round_ in range(repeats + 1):
+        for form, calls in passes.items():
+            start = time.perf_counter()
+            for function, module, x in calls:
+                function(module, x)
+            if round_:
+                samples[form].append((time.perf_counter() - start) / len(calls))
+    return {form: sorted(s)[repeats // 2] for form, s in samples.items()}
+
+
+def _choice_path(cache_dir: Path) -> Path:
+    key = f"{cpu_name()} x{torch.get_num_threads()} torch {torch.__version__} {_source_digest()}"
+    return cache_dir / "kernels" / f"choices-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+def _read_choices(path: Path | None, offered: tuple[str, ...]) -> dict[str, list[str]]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, list) and len(v) == MAX_ROWS + 1 and set(v) <= set(offered)}
+
+
+def _write_choices(path: Path, choices: dict[str, list[str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(choices, indent=0), encoding="utf-8")
+    os.replace(partial, path)

@@ -62,8 +62,9 @@ class Cache(Protocol):
         """Where a forward of `rows` new tokens puts its keys in `layer` and what it reads there."""
         ...
 
-    def view(self, length: int) -> Cache:
-        """A read-only window on the first `length` positions: a pass over it sees them and stores nothing."""
+    def view(self, length: int, scratch: bool = False) -> Cache:
+        """A read-only window on the first `length` positions: a pass over it sees them and keeps nothing.
+        `scratch`: the caller declares the positions held past `length` dead (a pass may overwrite them)."""
         ...
 
 
@@ -82,8 +83,8 @@ class KVCache:
         n = self.get_seq_length(layer)
         return Layout(n, n, n + rows)
 
-    def view(self, length: int) -> FrozenView:
-        return FrozenView(self, length)
+    def view(self, length: int, scratch: bool = False) -> FrozenView:
+        return FrozenView(self, length, scratch)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,13 +144,17 @@ class KVCache:
 class FrozenView:
     """A read-only window on the first `length` positions of a cache.
 
-    `update` returns the cached prefix followed by the new keys/values and stores nothing, so a pass
-    can attend to the context without leaving a trace in the cache.
+    A pass over it attends to the window and its own new keys/values, and leaves no trace in the cache: its
+    keys are written past the window, where nothing valid lies (the cache holds no more than `length`
+    positions in that layer, or the caller declared the positions past it dead: `scratch`), and the cache's
+    lengths stay as they were. Only where live positions lie past the window are the window and the new keys
+    joined in a copy (every new key would otherwise cost a copy of the whole prefix, in every layer).
     """
 
-    def __init__(self, cache: KVCache, length: int) -> None:
+    def __init__(self, cache: KVCache, length: int, scratch: bool = False) -> None:
         self.cache = cache
         self.length = length
+        self.scratch = scratch
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return min(self.length, self.cache.get_seq_length(layer_idx))
@@ -158,16 +163,22 @@ class FrozenView:
         n = self.get_seq_length(layer)
         return Layout(n, n, n + rows)
 
-    def view(self, length: int) -> FrozenView:
-        return FrozenView(self.cache, min(length, self.length))
+    def view(self, length: int, scratch: bool = False) -> FrozenView:
+        return FrozenView(self.cache, min(length, self.length), scratch or self.scratch)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached prefix followed by the new keys/values; nothing is stored."""
+        """The window's keys/values followed by the new ones; the cache's lengths are not changed."""
+        cache = self.cache
         n = self.get_seq_length(layer_idx)
         if n == 0:
             return keys, values
-        return (
-            torch.cat([self.cache.keys[layer_idx][..., :n, :], keys], dim=-2),
-            torch.cat([self.cache.values[layer_idx][..., :n, :], values], dim=-2),
-        )
+        if not (self.scratch or n == cache.lengths[layer_idx]):
+            return (torch.cat([cache.keys[layer_idx][..., :n, :], keys], dim=-2),
+                    torch.cat([cache.values[layer_idx][..., :n, :], values], dim=-2))
+        end = n + keys.shape[-2]
+        if end > cache.keys[layer_idx].shape[-2]:
+            cache._grow(layer_idx, end, keys, values)
+        cache.keys[layer_idx][..., n:end, :] = keys
+        cache.values[layer_idx][..., n:end, :] = values
+        return cache.keys[layer_idx][..., :end, :], cache.values[layer_idx][..., :end, :]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from specgui import kernels
+from specgui.cachedir import cache_root
 from specgui.errors import SpecGUIError
 from specgui.runner import Runner
 
@@ -95,14 +96,6 @@ class LoadedModel:
         return self.runner.device
 
 
-def cache_root() -> Path:
-    """Where converted weights live: $SPECGUI_CACHE, else $XDG_CACHE_HOME/specgui, else ~/.cache/specgui."""
-    if os.environ.get("SPECGUI_CACHE"):
-        return Path(os.environ["SPECGUI_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specgui"
-
-
 def embedded_gguf() -> Path | None:
     """Path of the embedded GGUF, found without importing its package (which needs the `llm` CLI)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
@@ -167,7 +160,7 @@ def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
         model = model.to(device)
     model.eval()
     if spec.small_batch_matmul:
-        kernels.install(model)
+        kernels.install(model, cache_root())
     runner = Runner(model)
     return LoadedModel(
         spec=spec,

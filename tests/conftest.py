@@ -5,9 +5,11 @@ Two session-wide settings, made before anything imports torch or reads the cache
   models are tiny or small, whose ops are too short for a second thread to pay, and on a shared two-core
   machine each two-thread op waits for a core another process holds: a tiny model's 3-token pld run took
   8 ms with one thread and 500-1200 ms with two while other jobs ran. No check depends on the thread count.
-- A cache folder of the session's own (`SPECGUI_CACHE`) for cost profiles and search results, so that no
-  test is priced by a profile some earlier run measured (on a busy machine, or another CPU); converted model
-  weights are shared with the user's cache through a link, since they depend only on the model file.
+- A cache folder of the session's own (`SPECGUI_CACHE`) for cost profiles, matmul choices and search results,
+  so that no test is priced by a profile some earlier run measured (on a busy machine, or another CPU);
+  converted model weights are shared with the user's cache through a link, since they depend only on the
+  model file. With `-n 2` (pytest-xdist) the workers share their controller's folder: what one measures,
+  the other reads.
 """
 
 import os
@@ -16,12 +18,14 @@ import tempfile
 from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
-_USER_CACHE = Path(os.environ.get("SPECGUI_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                   / "specgui")
-_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="specgui-tests-"))
-(_USER_CACHE / "models").mkdir(parents=True, exist_ok=True)
-(_SESSION_CACHE / "models").symlink_to(_USER_CACHE / "models", target_is_directory=True)
-os.environ["SPECGUI_CACHE"] = str(_SESSION_CACHE)
+_OWNER = "SPECGUI_TEST_CACHE" not in os.environ  # xdist's workers inherit the folder their controller made
+if _OWNER:
+    _USER_CACHE = Path(os.environ.get("SPECGUI_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home()
+                                                                / ".cache") / "specgui")
+    _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="specgui-tests-"))
+    (_USER_CACHE / "models").mkdir(parents=True, exist_ok=True)
+    (_SESSION_CACHE / "models").symlink_to(_USER_CACHE / "models", target_is_directory=True)
+    os.environ["SPECGUI_TEST_CACHE"] = os.environ["SPECGUI_CACHE"] = str(_SESSION_CACHE)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -61,4 +65,5 @@ def suite_sample(suite, embedded_lm):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)  # the link only: the shared weights stay
+    if _OWNER:
+        shutil.rmtree(os.environ["SPECGUI_TEST_CACHE"], ignore_errors=True)  # the link only: the weights stay

@@ -140,8 +140,10 @@ def assert_sampling_lossless(lm: LoadedModel, method: str, prompt: list[int], *,
     """Chi-square test: the method's (t2, t3) frequencies match the target's exact distribution.
 
     t1 comes from the prompt forward; t2 and t3 come from speculative steps, so this tests the verifier
-    with whatever the method drafts. Fails (with p < alpha) if the method biases the output; also fails
-    if the method never drafted or never saw a rejection, because then nothing was tested.
+    with whatever the method drafts. Each run asks for 4 tokens, so that the first step can draft two (a
+    Fractal restart drafts its own forward's token and a slot's after it: at a depth of one it would not
+    draft). Fails (with p < alpha) if the method biases the output; also fails if the method never drafted
+    or never saw a rejection, because then nothing was tested.
     """
     params = drafting(method, params)
     vocab = lm.model.config.vocab_size
@@ -149,7 +151,7 @@ def assert_sampling_lossless(lm: LoadedModel, method: str, prompt: list[int], *,
     seen = {"drafted": 0, "accepted": 0, "rejected_steps": 0}
     for seed in range(runs):
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        result = decode.run(lm, prompt, method, max_new_tokens=3, sampling=sampling, params=params)
+        result = decode.run(lm, prompt, method, max_new_tokens=4, sampling=sampling, params=params)
         t = result.token_ids
         counts[t[1], t[2]] += 1
         for step in result.steps:

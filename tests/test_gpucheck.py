@@ -17,7 +17,7 @@ def cli(*args, timeout=900):
                           text=True, timeout=timeout)
 
 
-def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path, embedded_lm):
+def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path):
     out = cli("--out", str(tmp_path / "gc"), "--quick", "--device", "cpu")
     assert out.returncode in (0, 1), out.stderr[-2000:]
     report = json.loads((tmp_path / "gc" / "report.json").read_text())

@@ -49,6 +49,23 @@ def test_frozen_view_reads_without_writing():
     assert values[0, 0, :, 0].tolist() == [-1, -2, -9]
     assert view.get_seq_length(0) == 2 and cache.get_seq_length(0) == 4
     assert view.get_seq_length(5) == 0
+    assert _keys(cache, 0) == [1, 2, 3, 4]  # live positions past the window: joined in a copy, never overwritten
+
+
+def test_frozen_view_writes_its_keys_past_the_cache_instead_of_copying_the_prefix():
+    cache = KVCache()
+    _fill(cache, 0, [1, 2, 3, 4])
+    new = torch.tensor([8.0, 9.0]).view(1, 1, 2, 1)
+    keys, _ = FrozenView(cache, 4).update(new, -new, 0)  # nothing lives past the window: written in place
+    assert keys[0, 0, :, 0].tolist() == [1, 2, 3, 4, 8, 9]
+    assert keys.data_ptr() == cache.keys[0].data_ptr()  # a view of the cache's buffer, not a copy
+    assert cache.get_seq_length(0) == 4 and _keys(cache, 0) == [1, 2, 3, 4]
+    keys, _ = FrozenView(cache, 2, scratch=True).update(new, -new, 0)  # the caller declared 3, 4 dead
+    assert keys[0, 0, :, 0].tolist() == [1, 2, 8, 9] and keys.data_ptr() == cache.keys[0].data_ptr()
+    assert cache.get_seq_length(0) == 4
+    big = torch.arange(MIN_CAPACITY, dtype=torch.float32).view(1, 1, -1, 1)
+    keys, _ = FrozenView(cache, 4).update(big, -big, 0)  # past the buffer's capacity: it grows, lengths stay
+    assert keys.shape[-2] == 4 + MIN_CAPACITY and cache.get_seq_length(0) == 4
 
 
 def test_update_grows_past_capacity_and_keeps_contents():

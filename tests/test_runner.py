@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import tiny_model
+from specgui import kernels
 from specgui.kvcache import FrozenView, KVCache
 from specgui.runner import ATTN, MLP, SkipPlan
 
@@ -101,14 +102,13 @@ def test_logits_rows_and_run_unit_kinds(tiny_lm):
     assert (ATTN, MLP) == (0, 1)
 
 
-def test_small_batch_matmul_is_the_same_product():
-    from specgui import kernels
-
+@pytest.mark.parametrize("form", kernels.available_forms())
+def test_every_matmul_form_is_the_same_product(form):
     lm = tiny_model(seed=5)
     ids = torch.randint(0, 48, (9,))
     with torch.no_grad():
         reference = lm.model(ids[None]).logits[0]
-        assert kernels.install(lm.model, rows=range(2, 65)) == 4 * 7 + 1  # q, k, v, o, gate, up, down, LM head
+        assert kernels.install(lm.model, forced=form) == {form: 4 * 7 + 1}  # q, k, v, o, gate, up, down, LM head
         cache = KVCache()
         got = torch.cat([lm.runner.forward(ids[:5], torch.arange(5), cache),
                          lm.runner.forward(ids[5:6], torch.arange(5, 6), cache),
@@ -116,11 +116,40 @@ def test_small_batch_matmul_is_the_same_product():
     assert torch.allclose(got, reference, atol=1e-5)
 
 
-def test_small_batch_form_is_chosen_by_measurement():
-    from specgui import kernels
+@pytest.mark.skipif("skinny" not in kernels.available_forms(), reason="no C compiler or no AVX2 here")
+def test_skinny_rows_do_not_depend_on_the_rows_beside_them():
+    """What makes a verify forward's rows equal plain steps' bit for bit: each row's product is summed in the
+    same order whether it is computed alone or among 16 rows, odd widths (a K tail, a partial block) included."""
+    torch.manual_seed(0)
+    for n, k in [(200, 72), (37, 13), (64, 576)]:
+        linear = torch.nn.Linear(k, n)
+        kernels.install(linear, forced="skinny")
+        x = torch.randn(16, k)
+        with torch.no_grad():
+            together = linear(x)
+            assert torch.allclose(together, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
+            for rows in (1, 3, 5, 16):
+                assert torch.equal(linear(x[:rows]), together[:rows])
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2)  # other blocks per thread, the same sums
+            try:
+                assert torch.equal(linear(x), together)
+            finally:
+                torch.set_num_threads(threads)
 
+
+def test_matmul_forms_are_chosen_by_measurement_and_saved(tmp_path, monkeypatch):
     lm = tiny_model(seed=6)
-    rows = kernels.faster_rows(lm.model.lm_head.weight)
-    assert rows <= set(range(2, kernels.MAX_ROWS + 1))
-    assert kernels.install(lm.model, rows=()) == 0  # nowhere faster: every module keeps the stock kernel
-    assert not hasattr(lm.model.lm_head, "transposed_rows")
+    counts = kernels.install(lm.model, tmp_path)
+    assert set(counts) <= set(kernels.available_forms()) and sum(counts.values()) >= 29
+    tables = {m.row_forms for m in lm.model.modules() if hasattr(m, "row_forms")}
+    assert all(len(t) == kernels.MAX_ROWS + 1 and set(t) <= set(kernels.available_forms()) for t in tables)
+    assert len(list((tmp_path / "kernels").glob("choices-*.json"))) == 1
+
+    def timed_again(*args, **kwargs):
+        raise AssertionError("a saved choice was measured again")
+
+    monkeypatch.setattr(kernels, "choose", timed_again)
+    again = tiny_model(seed=6)
+    assert kernels.install(again.model, tmp_path) == counts
+    assert kernels.signature(again.model) == kernels.signature(lm.model) != kernels.signature(tiny_model().model)

@@ -26,7 +26,7 @@ from torch import nn
 from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
 from specgui.kvcache import KVCache
-from specgui.methods.policy import DraftPolicy
+from specgui.methods.policy import PRIOR_ALPHA, DraftPolicy
 from specgui.params import NoParams
 from specgui.runner import Observer, Runner
 from specgui.sampling import Sampling
@@ -87,6 +87,8 @@ class Drafter:
     title: ClassVar[str]
     summary: ClassVar[str]
     Params: ClassVar[type] = NoParams
+    # per-token acceptance the method's paper reports, the policy's prior until its own verdicts say otherwise
+    paper_acceptance: ClassVar[float] = PRIOR_ALPHA
 
     def __init__(self, runner: Runner, params: Any, sampling: Sampling) -> None:
         self.runner = runner
@@ -104,7 +106,8 @@ class Drafter:
     def sizing(self, state: DecodeState, sizes: Iterable[int]) -> DraftPolicy:
         """The policy that sizes this method's drafts: the cost model's, or the largest size always when the
         parameters ask for the paper's fixed schedule or no cost profile is at hand."""
-        return DraftPolicy(sizes, fixed=self.params.policy == "fixed" or state.profile is None)
+        return DraftPolicy(sizes, fixed=self.params.policy == "fixed" or state.profile is None,
+                           alpha=self.paper_acceptance)
 
     def draft(self, state: DecodeState) -> Draft:
         return Draft()

@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from specgui import ASSETS_DIR
+from specgui.cachedir import cache_root
 from specgui.costs import CostProfile
 from specgui.draft import Outcome
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
-from specgui.loading import cache_root
 from specgui.methods.base import DecodeState, register
 from specgui.methods.bayesopt import BayesOpt, candidate_pool
 from specgui.methods.layerskip import AdaptiveExitParams, ExitThreshold, LayerSkipDrafter, adaptive_exit

@@ -56,6 +56,8 @@ from specgui.params import param
 from specgui.runner import MLP, Pass, Runner, unit_index
 from specgui.sampling import Sampling
 
+PASS_CONTEXT = 128  # cached tokens before the rows a compressed pass is timed on
+
 
 @dataclass(frozen=True)
 class FractalParams(SizedParams):
@@ -129,7 +131,8 @@ class Splice:
         x = comp.run(upper, h, range(layer, runner.num_layers))
         guesses = comp.logits(x[0, self.exact - 1 : -1]).argmax(-1)  # [w]: anchor and slots 1..w-1 predict
         # lower: layers < `layer` already hold the prefix and this forward's exact rows
-        lower = runner.new_pass(self.slot_positions, self.cache.view(self.committed + self.exact))
+        # the forward's own slot keys there are stale (the slots are being replaced): the pass may overwrite them
+        lower = runner.new_pass(self.slot_positions, self.cache.view(self.committed + self.exact, scratch=True))
         y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
         self.guesses.append(guesses)
         self.marks.append((start, self.plan.clock.mark()))
@@ -191,6 +194,9 @@ class Fractal(Drafter):
     title = "Fractal"
     summary = "Int8 copies of the model spliced in before n layers refine w draft slots mid-forward."
     Params = FractalParams
+    # the paper: N + 0.74 tokens per verification with N fractal layers; at the CPU preset's N = 2 slots, 1.74
+    # draft tokens accepted of 2, i.e. 0.92 a token
+    paper_acceptance = 0.92
 
     def __init__(self, runner: Runner, params: FractalParams, sampling: Sampling) -> None:
         super().__init__(runner, params, sampling)
@@ -205,55 +211,75 @@ class Fractal(Drafter):
         self.carried_origin: list[int] = []
         self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
         self.carrying: Splice | None = None
-        self.draft_len, self.exhausted = 0, False
+        self.sized, self.drafted, self.exhausted, self.exact_first = 0, 0, False, False
         w = self.plan.window
+        # sizes count slot tokens: a restart's draft adds the exact token its own forward read off in front
         self.policy = self.sizing(state, range(1, w + 1))
-        key = f"fractal.pass.{self.plan.compressed.backend}.rows{1 + w}"
-        self.pass_ms = state.profile.mechanism(key, lambda: self._pass_ms(state, 1 + w)) if state.profile else 1.0
+        backend = self.plan.compressed.backend
+        # a compressed pass over the rows the forwards carry: a restart's [pending, slots] and the steady
+        # verify's [pending, chain, slots] with the whole chain (contexts: `_passes_ms` scales by the forward's)
+        self.pass_rows = (1 + w, 1 + 2 * w)
+        self.pass_ms = [state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}",
+                                                lambda r=rows: self._pass_ms(state, r)) if state.profile else 1.0
+                        for rows in self.pass_rows]
 
     def draft(self, state: DecodeState) -> Draft:
         """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
         self.splices = []
         self.carrying = None
-        depth, w, passes = state.max_depth, self.plan.window, len(self.plan.layers) * self.pass_ms
-        own = 0.0 if self.carried else state.forward_ms(1 + w) + passes
-        slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
+        depth, w = state.max_depth, self.plan.window
+        restart = not self.carried
         # Sized by the steady state: while drafts are accepted, a step is a verify of n tokens with the next
         # draft's slots and their passes (the paper's schedule adds a draft forward to every step). The own
         # draft forward that (re)starts the chain is paid once for the steps that follow, so it is priced in
         # this step's cost but does not decide whether drafting pays.
-        steady = 0.0 if self.params.carry else state.forward_ms(1 + w) + passes
-        sizing = self.policy.choose(lambda n: steady + state.verify_ms(1 + n + slots) + (passes if slots else 0.0),
-                                    state.plain_ms(), min(depth, len(self.carried) if self.carried else w))
-        if sizing.size == 0:
-            self.draft_len, self.carried, self.carried_origin = 0, [], []
+        own = state.forward_ms(1 + w) + self._passes_ms(state, 1 + w) if restart else 0.0
+        slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
+        steady = 0.0 if self.params.carry else state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
+        sizing = self.policy.choose(
+            lambda n: steady + state.verify_ms(1 + n + slots) + (self._passes_ms(state, 1 + n + slots) if slots else 0),
+            state.plain_ms(), min(depth - restart, w if restart else len(self.carried)))
+        if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
+            self.sized = 0
             return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})
-        if self.carried:
-            tokens, origin, source, cost = self.carried, self.carried_origin, "carried", 0.0
-        else:
-            tokens, origin = self._draft_forward(state)
+        if restart:
+            tokens, origin = self._draft_forward(state)  # [exact token, chain...]
             source, cost = "draft forward", own
-        tokens, origin = tokens[: sizing.size], origin[: sizing.size]
-        self.draft_len, self.exhausted = len(tokens), len(tokens) < sizing.size
+        else:
+            tokens, origin, source, cost = self.carried, self.carried_origin, "carried", 0.0
+        keep = sizing.size + restart
+        tokens, origin = tokens[:keep], origin[:keep]
+        self.sized, self.drafted, self.exact_first = sizing.size, len(tokens), restart
+        self.exhausted = len(tokens) < keep
         # after this step emits the draft and its own token, the next one can draft only if depth is left
         extras = self._slots(state, tokens) if self.params.carry and depth > len(tokens) + 1 else None
         observer = self.carrying.observer if self.carrying is not None else None
-        return Draft(tokens=tokens, extras=extras, observer=observer, cost_ms=cost + (passes if extras else 0.0),
+        passes = self._passes_ms(state, 1 + len(tokens) + w) if extras else 0.0
+        return Draft(tokens=tokens, extras=extras, observer=observer, cost_ms=cost + passes,
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
 
     def stand_ins(self) -> list[tuple[int, Any]]:
         return list(enumerate(self.plan.compressed.layers))
 
+    def _passes_ms(self, state: DecodeState, rows: int) -> float:
+        """The compressed passes of one spliced forward of `rows` rows at the current context: the measured pass
+        cost, interpolated in rows and scaled by how the target's forward of as many rows grows with context."""
+        (r0, r1), (m0, m1) = self.pass_rows, self.pass_ms
+        per_pass = m0 + (m1 - m0) * (rows - r0) / (r1 - r0) if r1 != r0 else m0
+        if state.profile is not None:
+            per_pass *= state.forward_ms(rows) / max(1e-9, state.profile.forward_ms(rows, PASS_CONTEXT))
+        return len(self.plan.layers) * max(0.0, per_pass)
+
     def _pass_ms(self, state: DecodeState, rows: int) -> float:
-        """One compressed pass (every compressed layer and the head) over `rows` rows after a 128-token prefix,
-        on the path the run takes: over the run's own cache, still empty in `begin`, and emptied again."""
+        """One compressed pass (every compressed layer and the head) over `rows` rows after a PASS_CONTEXT-token
+        prefix, on the path the run takes: over the run's own cache, still empty in `begin`, and emptied again."""
         runner, comp = self.runner, self.plan.compressed
-        prefix = torch.arange(128) % int(runner.config.vocab_size)
+        prefix = torch.arange(PASS_CONTEXT) % int(runner.config.vocab_size)
         with torch.inference_mode():
-            runner.forward(prefix, torch.arange(128), state.cache)
-            step = runner.new_pass(torch.arange(128, 128 + rows), state.cache.view(128))
+            runner.forward(prefix, torch.arange(PASS_CONTEXT), state.cache)
+            step = runner.new_pass(torch.arange(PASS_CONTEXT, PASS_CONTEXT + rows), state.cache.view(PASS_CONTEXT))
             h = comp.embed(prefix[:rows].view(1, -1).to(runner.embed_device))
-            ms = time_ms(lambda: comp.logits(comp.run(step, h, range(runner.num_layers))), runner.device, 3)
+            ms = time_ms(lambda: comp.logits(comp.run(step, h, range(runner.num_layers))), runner.device, 5)
         state.cache.crop(0)
         return ms
 
@@ -261,10 +287,18 @@ class Fractal(Drafter):
         if outcome.prefill:
             return {"fractal_layers": list(self.plan.layers), "backend": self.plan.compressed.backend,
                     "compress_ms": self.build_ms}
-        self.policy.learn(outcome.path, self.draft_len, self.exhausted)
+        if self.sized == 0:  # a plain step: a carried chain whose first token it emitted drafts the rest later
+            keep = bool(self.carried) and self.carried[0] == outcome.token
+            self.carried, self.carried_origin = (self.carried[1:], self.carried_origin[1:]) if keep else ([], [])
+            return self._times()
+        # a restart's first token is exact (its own forward's target row): not evidence of the slots' acceptance
+        path = [node - 1 for node in outcome.path if node > 0] if self.exact_first else outcome.path
+        if self.exact_first and outcome.path[:1] != [0]:
+            path = []
+        self.policy.learn(path, self.drafted - self.exact_first, self.exhausted)
         self.carried, self.carried_origin = [], []
         splice = self.carrying
-        if splice is not None and outcome.accepted == self.draft_len and outcome.extra_logits is not None:
+        if splice is not None and outcome.accepted == self.drafted and outcome.extra_logits is not None:
             slots = splice.slot_tokens()
             chain = consistent_chain(outcome.token, slots[-1], outcome.extra_logits.argmax(-1).tolist())
             self.carried = chain

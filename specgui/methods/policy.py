@@ -20,7 +20,8 @@ E[accepted | n] from verdicts: a verify of d nodes in the drafter's order (paren
 favourites first) also says what a verify of only the first n <= d nodes would have accepted: the
 accepted path's nodes below n. So each step teaches the curve for every n up to what it verified, and
 for every larger n as well when the drafter had nothing more to offer (a draft exit, a short lookup).
-Values never observed keep a prior, a geometric acceptance of `PRIOR_ALPHA` per token, optimistic enough
+Values never observed keep a prior, a geometric acceptance of `alpha` per token (`PRIOR_ALPHA`, or the
+acceptance the method's paper reports, which a method brings as `Drafter.paper_acceptance`), optimistic enough
 that the policy tries them, but no higher than the curve's slope below them allows (`curve`); recent
 steps weigh more (`DECAY`, applied to every size at every verdict), so the curve follows the text and a
 size not re-checked lately returns towards its prior.
@@ -60,9 +61,10 @@ class Plan:
     best: float  # the best predicted speedup among the sizes
     expected: float  # expected accepted tokens of the plan taken
     prior: float | None = None  # paused: the best speedup at the prior's acceptance (below the margin: no probes)
+    alpha: float = PRIOR_ALPHA  # the prior's per-token acceptance
 
     def to_dict(self) -> dict[str, object]:
-        prior = {} if self.prior is None else {"prior": round(self.prior, 3)}
+        prior = {} if self.prior is None else {"prior": round(self.prior, 3), "alpha": self.alpha}
         return {"size": self.size, "mode": self.mode, "predicted": round(self.predicted, 3),
                 "best": round(self.best, 3), "expected": round(self.expected, 3), **prior}
 
@@ -70,8 +72,10 @@ class Plan:
 class DraftPolicy:
     """Chooses a draft size per step from predicted costs and the learnt acceptance curve."""
 
-    def __init__(self, sizes: Sequence[int], *, fixed: bool = False, max_pause: int = 64) -> None:
+    def __init__(self, sizes: Sequence[int], *, fixed: bool = False, max_pause: int = 64,
+                 alpha: float = PRIOR_ALPHA) -> None:
         self.sizes = sorted(set(sizes))
+        self.alpha = alpha  # the prior's per-token acceptance
         self.fixed = fixed  # always the largest size: the papers' schedule, for comparison and tests
         self.max_pause = max_pause
         self.sums = dict.fromkeys(self.sizes, 0.0)
@@ -91,7 +95,7 @@ class DraftPolicy:
         out: dict[int, float] = {}
         last_n, last_e, slope = 0, 0.0, 1.0
         for n in self.sizes:
-            prior = min(_geometric(n), last_e + (n - last_n) * slope)
+            prior = min(_geometric(n, self.alpha), last_e + (n - last_n) * slope)
             e = (self.sums[n] + PRIOR_WEIGHT * prior) / (self.weights[n] + PRIOR_WEIGHT)
             slope = max(0.0, (e - last_e) / (n - last_n))
             out[n], last_n, last_e = e, n, e
@@ -111,9 +115,9 @@ class DraftPolicy:
         if gains[best] >= 1 + MARGIN or self.max_pause == 0:
             self.pause, self.probe = 1, False
             return Plan(best, "draft", gains[best], gains[best], curve[best])
-        prior = max((1 + _geometric(n)) * plain_ms / costs[n] for n in sizes)
+        prior = max((1 + _geometric(n, self.alpha)) * plain_ms / costs[n] for n in sizes)
         if prior < 1 + MARGIN:  # a draft accepted as well as the prior hopes would lose: no probe
-            return Plan(0, "paused", 1.0, gains[best], 0.0, prior)
+            return Plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
         if self.left > 0:
             self.left -= 1
         elif self.probe:
@@ -123,7 +127,7 @@ class DraftPolicy:
             self.left = self.pause - 1
             self.pause = min(2 * self.pause, self.max_pause)
             self.probe = True
-        return Plan(0, "paused", 1.0, gains[best], 0.0, prior)
+        return Plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
 
     def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
         """Fold one verdict in: `path` the accepted nodes (in draft order), `verified` the nodes drafted,
@@ -140,9 +144,9 @@ class DraftPolicy:
                 self.weights[n] += 1.0
 
 
-def _geometric(n: int) -> float:
-    """The prior's E[accepted | n]: each token accepted with probability PRIOR_ALPHA, if all before it were."""
-    return sum(PRIOR_ALPHA ** (i + 1) for i in range(n))
+def _geometric(n: int, alpha: float) -> float:
+    """The prior's E[accepted | n]: each token accepted with probability `alpha`, if all before it were."""
+    return sum(alpha ** (i + 1) for i in range(n))
 
 
 def _prefix_below(path: Sequence[int], n: int):

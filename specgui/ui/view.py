@@ -490,10 +490,11 @@ def _lost(method: RunView, draft: float, extra_verify: float, other: float, forw
     drafting = [s for s in method.steps if s.drafted]
     if not drafting:
         plans = [s.payload.get("plan") for s in method.steps]
-        priors = [p["prior"] for p in plans if isinstance(p, dict) and _is_num(p.get("prior"))]
-        if priors and max(priors) < 1 + MARGIN:
-            return (f"nothing was drafted: on this device a draft accepted at {PRIOR_ALPHA:.0%} per token would "
-                    f"reach only {max(priors):.2f}× per step, so the cost model decoded plainly")
+        paused = [p for p in plans if isinstance(p, dict) and _is_num(p.get("prior"))]
+        if paused and max(p["prior"] for p in paused) < 1 + MARGIN:
+            alpha = paused[0].get("alpha", PRIOR_ALPHA)
+            return (f"nothing was drafted: on this device a draft accepted at {alpha:.0%} per token would "
+                    f"reach only {max(p['prior'] for p in paused):.2f}× per step, so the cost model decoded plainly")
         return "nothing was drafted"
     depth = sum(max(n.depth for n in node_verdicts(s)) for s in drafting) / len(drafting)
     accepted = sum(s.accepted for s in drafting) / len(drafting)
