@@ -1,6 +1,6 @@
 """CPU products of a few rows (a decoding step, a verify forward), each computed in the form measured fastest.
 
-A decoding step multiplies 1-16 rows by every weight matrix once: on a CPU that is bound by streaming the
+A decoding step multiplies 1-64 rows by every weight matrix once: on a CPU that is bound by streaming the
 weights (540 MB a forward for SmolLM2-135M in fp32), so a forward over a few rows could cost about what one
 row costs. BLAS kernels tuned for large products do not get there, and differently on every CPU: on one
 development machine (Intel, MKL, fp32) the stock kernel over 2-8 rows was slower than over one row and
@@ -15,9 +15,9 @@ development machine (Intel, MKL, fp32) the stock kernel over 2-8 rows was slower
               machine's C compiler (none, or no AVX2: the form is not offered). Its rows come out the same
               whatever other rows share the call, so a verify forward's rows equal plain steps' bit for bit.
 
-`install` times each form on every distinct weight shape of the model, for 1 ... 16 rows, calling the
+`install` times each form on every distinct weight shape of the model, for 1 ... 64 rows, calling the
 model's own modules of that shape in turn so that the weights come from memory as they do in a forward,
-and routes each row count through the fastest. Larger products keep the stock kernel. The choice is saved
+and routes each row count through the fastest. Larger products (a prefill) keep the stock kernel. The choice is saved
 per CPU, thread count and shape (`<cache>/kernels/`), so later loads read it instead of timing again.
 
 It is installed on the model's own `nn.Linear` modules, so everything that runs the model benefits alike,
@@ -46,8 +46,8 @@ from torch import nn
 from specgui.cachedir import cache_root
 
 FORMS = ("stock", "transposed", "skinny")
-MAX_ROWS = 16
-PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # row counts timed; others take the nearest one below
+MAX_ROWS = 64
+PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts timed; others take the nearest one below
 STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")

@@ -1,6 +1,6 @@
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows m: SpecGUI's CPU verify kernel.
  *
- * Why (specgui/kernels.py has the measurements): a decoding step multiplies 1-16 rows by every weight
+ * Why (specgui/kernels.py has the measurements): a decoding step multiplies 1-64 rows by every weight
  * matrix once, so it is bound by streaming the weights from memory, and a forward over a few rows could
  * cost about what one row costs. BLAS libraries tuned for large products handle these skinny shapes as
  * separate matrix-vector products or with packing overheads, so their cost grows with every row. Here
