@@ -38,7 +38,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, help="8bit or 4bit (bitsandbytes)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
     p.add_argument("--small-batch-matmul", choices=("on", "off"), default="on",
-                   help="CPU: compute 2-64 row products as (W @ x.T).T where measured faster (specgui/kernels.py)")
+                   help="CPU: compute 1-64 row products in the form measured fastest per shape (torch's, "
+                   "transposed, or the skinny kernel; specgui/kernels.py); off: torch's kernel only")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
