@@ -35,6 +35,7 @@ it measures.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 
 from specgui import __version__, fastpath
-from specgui.cachedir import cache_root
+from specgui.cachedir import cache_root, exclusive
 from specgui.kernels import cpu_name, signature
 from specgui.kvcache import KVCache
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
@@ -117,10 +118,16 @@ class CostProfile:
         return max(self.head, full - saved * full / self.forward_ms(1, self.contexts[0]))
 
     def mechanism(self, name: str, measure: Callable[[], float]) -> float:
-        """The cost of a method's own mechanism `name` (ms), measured by `measure` on first use and saved."""
+        """The cost of a method's own mechanism `name` (ms), measured by `measure` on first use and saved (under
+        the file's lock, taking what other processes sharing the file measured meanwhile)."""
         if name not in self.mechanisms:
-            self.mechanisms[name] = measure()
-            self.save()
+            with exclusive(Path(self.path)) if self.path else contextlib.nullcontext():
+                saved = _read(Path(self.path), self.key) if self.path else None
+                if saved is not None and saved.measured_at == self.measured_at:
+                    self.mechanisms = {**saved.mechanisms, **self.mechanisms}
+                if name not in self.mechanisms:
+                    self.mechanisms[name] = measure()
+                    self.save()
         return self.mechanisms[name]
 
     def curve(self) -> dict[str, Any]:
@@ -249,12 +256,17 @@ def lookup(lm: Any, fast_path: bool, *, run: Decode | None = None) -> tuple[Cost
 
 
 def remeasure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfile:
-    """Measure the profile now, save it (replacing any saved one) and hold it for the process."""
+    """Measure the profile now, save it (replacing any saved one) and hold it for the process. Under the saved
+    file's lock: a process that waited on another one measuring the same profile takes what it just saved."""
     key = _key(lm, fast_path)
     path = _path(lm, key)
-    profile = measure(lm, fast_path, run=run)
-    profile.path = str(path)
-    profile.save()
+    asked = time.time()
+    with exclusive(path):
+        profile = _read(path, key)
+        if profile is None or profile.measured_at < asked:
+            profile = measure(lm, fast_path, run=run)
+        profile.path = str(path)  # a profile read back names its file too (mechanisms are saved into it)
+        profile.save()
     _PROFILES.setdefault(lm.runner, {})[fast_path] = _BY_FILE[str(path)] = profile
     return profile
 

@@ -27,6 +27,7 @@ transformers' `generate` (and its prompt lookup) included: comparisons stay like
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -43,11 +44,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specgui.cachedir import cache_root
+from specgui.cachedir import cache_root, exclusive
 
 FORMS = ("stock", "transposed", "skinny")
 MAX_ROWS = 64
-PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts timed; others take the nearest one below
+PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # row counts timed (the cost profile's); others take the one below
 STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -67,23 +68,35 @@ def install(model: nn.Module, cache_dir: Path | None = None, forced: str | None 
     if forced is not None and forced not in offered:
         raise ValueError(f"kernel form {forced!r} is not available here (available: {', '.join(offered)})")
     saved_path = _choice_path(cache_dir) if cache_dir is not None and forced is None else None
-    saved = _read_choices(saved_path, offered)
+    tables = _tables(shapes, offered, saved_path) if forced is None else {}
     counts: dict[str, int] = {}
     for shape, modules in shapes.items():
-        key = f"{shape[0]}x{shape[1]}"
-        if forced is not None:
-            table = [forced] * (MAX_ROWS + 1)
-        else:
-            table = saved.get(key) or choose(modules, offered)
-            saved[key] = table
+        table = tables[shape] if forced is None else [forced] * (MAX_ROWS + 1)
         for module in modules:
             module.row_forms = tuple(table)
             module.forward = types.MethodType(_forward, module)
         for form in set(table[1:]):
             counts[form] = counts.get(form, 0) + len(modules)
-    if saved_path is not None and saved:
-        _write_choices(saved_path, saved)
     return counts
+
+
+def _tables(shapes: dict[tuple[int, int], list[nn.Linear]], offered: tuple[str, ...],
+            saved_path: Path | None) -> dict[tuple[int, int], list[str]]:
+    """Each shape's form per row count: saved, else measured (under the file's lock, so that processes sharing
+    the cache measure a shape once) and saved."""
+    def key(shape: tuple[int, int]) -> str:
+        return f"{shape[0]}x{shape[1]}"
+
+    saved = _read_choices(saved_path, offered)
+    if any(key(shape) not in saved for shape in shapes):
+        with exclusive(saved_path) if saved_path is not None else contextlib.nullcontext():
+            saved = _read_choices(saved_path, offered)  # another process may have measured them meanwhile
+            missing = [shape for shape in shapes if key(shape) not in saved]
+            for shape in missing:
+                saved[key(shape)] = choose(shapes[shape], offered)
+            if saved_path is not None and missing:
+                _write_choices(saved_path, saved)
+    return {shape: saved[key(shape)] for shape in shapes}
 
 
 def signature(model: nn.Module) -> str:
@@ -99,7 +112,7 @@ def available_forms() -> tuple[str, ...]:
     return FORMS if skinny_library() is not None else FORMS[:2]
 
 
-def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 5) -> list[str]:
+def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 3) -> list[str]:
     """Per row count 0..MAX_ROWS, the fastest form on these modules' shape (median of `repeats`; index 0 unused)."""
     weight = modules[0].weight
     cycle = modules[: max(1, min(len(modules), STREAM_BYTES // (weight.numel() * 4)))]

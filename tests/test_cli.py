@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from specgui.cli import main
 from specgui.events import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,21 +74,35 @@ def test_bench_runs_a_paper_preset_and_prints_its_table(tmp_path, embedded_lm, p
     (["bench", "--preset", "nope"], "unknown paper preset"),
     (["frobnicate"], "invalid choice"),
 ])
-def test_bad_input_exits_2_with_one_line(args, message):
-    out = cli(*args, timeout=120)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
-    assert "Traceback" not in out.stderr
+def test_bad_input_exits_2_with_one_line(args, message, capfd):
+    """In-process (`cli.main`, what `python -m specgui` calls), so that 18 cases do not import torch 18 times;
+    the test below runs one of them through the real entry point."""
+    try:
+        status = main(args)
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    assert_one_line_error(status, capfd.readouterr().err, message)
 
 
-def test_malformed_jsonl_is_a_one_line_error(tmp_path):
+def test_bad_input_through_the_real_entry_point():
+    out = cli("bench", "--methods", "pld,zzz", timeout=120)
+    assert_one_line_error(out.returncode, out.stderr, "unknown method")
+
+
+def assert_one_line_error(status: int, stderr: str, message: str) -> None:
+    assert status == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+def test_malformed_jsonl_is_a_one_line_error(tmp_path, capfd):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "category": "x", "prompt": "ok"}\n{"id": "b"\n')
-    out = cli("bench", "--prompts", str(bad))
-    assert out.returncode == 2 and "bad.jsonl:2: not valid JSON" in out.stderr
+    assert main(["bench", "--prompts", str(bad)]) == 2 and "bad.jsonl:2: not valid JSON" in capfd.readouterr().err
 
 
-def test_methods_lists_the_registry():
-    out = cli("methods")
-    assert out.returncode == 0 and "baseline" in out.stdout and "num_draft" in out.stdout
+def test_methods_lists_the_registry(capfd):
+    assert main(["methods"]) == 0
+    out = capfd.readouterr().out
+    assert "baseline" in out and "num_draft" in out

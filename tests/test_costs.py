@@ -126,3 +126,43 @@ def test_a_profile_saved_under_another_plain_step_cost_is_detected_and_replaced(
     assert json.loads(saved.read_text())["measured_at"] == replaced.measured_at  # the stale file is gone
     assert replaced.step != pytest.approx(honest.step * factor, rel=0.5)
     assert costs.profile_for(lm, fast_path=False) is replaced  # held now: no second check
+
+
+def test_a_process_waiting_on_another_ones_measurement_takes_what_it_saved(cache_dir, monkeypatch):
+    """Processes sharing a cache measure a profile once: `remeasure` waits on the file's lock, and a profile saved
+    while it waited is taken, not measured again (here the other process is a thread holding the lock)."""
+    import threading
+
+    from specgui.cachedir import exclusive
+
+    lm = tiny_model(seed=4)
+    mine = costs.profile_for(lm, fast_path=False)  # a real profile, saved
+    path = Path(mine.path)
+    holding, release = threading.Event(), threading.Event()
+
+    def other_process():
+        with exclusive(path):
+            holding.set()
+            release.wait(10)
+            theirs = json.loads(path.read_text())
+            theirs["measured_at"], theirs["step"] = time.time(), 123.0
+            path.write_text(json.dumps(theirs))
+
+    other = threading.Thread(target=other_process)
+    other.start()
+    holding.wait(10)
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured although the other process had"))
+    threading.Timer(0.2, release.set).start()
+    got = costs.remeasure(tiny_model(seed=9), fast_path=False)
+    other.join()
+    assert got.step == 123.0 and got.path == str(path)
+
+
+def test_mechanisms_measured_by_two_holders_of_one_file_are_both_kept(cache_dir):
+    lm = tiny_model(seed=4)
+    a = costs.profile_for(lm, fast_path=False)
+    b = costs.CostProfile(**json.loads(Path(a.path).read_text()))  # another process's copy of the same file
+    b.path = a.path
+    a.mechanism("x.one", lambda: 1.0)
+    b.mechanism("x.two", lambda: 2.0)
+    assert json.loads(Path(a.path).read_text())["mechanisms"] == {"x.one": 1.0, "x.two": 2.0}

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from specgui import ASSETS_DIR
-from specgui.cachedir import cache_root
+from specgui.cachedir import cache_root, exclusive
 from specgui.costs import CostProfile
 from specgui.draft import Outcome
 from specgui.errors import SpecGUIError
@@ -235,22 +235,33 @@ def load_or_search(runner: Runner, tokenizer: Any, params: DvParams,
     """The cached skip set for this model and setting, or a new search priced by `profile` (then cached); and
     whether it was cached."""
     path = cache_path(runner, params)
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.pop("format", None) == CACHE_FORMAT:
-                return SkipSetResult(**data), True
-        except (ValueError, TypeError):
-            pass  # a damaged file is searched again and overwritten
-    ids = [i.strip() for i in params.calibration.split(",") if i.strip()]
-    with torch.inference_mode():
-        samples = calibrate(runner, tokenizer, ids, params.calibration_tokens)
-        result = search(runner, samples, params, Costs.of(profile, samples[0].prefix, params.max_draft))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"format": CACHE_FORMAT, **asdict(result)}), encoding="utf-8")
-    tmp.replace(path)
+    found = _read_skipset(path)
+    if found is not None:
+        return found, True
+    with exclusive(path):  # processes sharing the cache search once: a waiting one reads what the first found
+        found = _read_skipset(path)
+        if found is not None:
+            return found, True
+        ids = [i.strip() for i in params.calibration.split(",") if i.strip()]
+        with torch.inference_mode():
+            samples = calibrate(runner, tokenizer, ids, params.calibration_tokens)
+            result = search(runner, samples, params, Costs.of(profile, samples[0].prefix, params.max_draft))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"format": CACHE_FORMAT, **asdict(result)}), encoding="utf-8")
+        tmp.replace(path)
     return result, False
+
+
+def _read_skipset(path: Path) -> SkipSetResult | None:
+    """The skip set saved at `path`; None if there is none (or it is damaged or of another format: searched again
+    and overwritten)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.pop("format", None) == CACHE_FORMAT:
+            return SkipSetResult(**data)
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
 
 
 @register
