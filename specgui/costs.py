@@ -91,9 +91,11 @@ class CostProfile:
     # -- predictions ----------------------------------------------------------------------------------------
 
     def forward_ms(self, rows: int, context: int) -> float:
-        """A target forward of `rows` new tokens over `context` cached ones (interpolated, linear beyond)."""
+        """A target forward of `rows` new tokens over `context` cached ones (interpolated, linear beyond). Never
+        priced below the LM head, which every forward runs: a noisy profile (a long-context reading inflated
+        by a busy machine) extrapolated down to a short prompt once priced a step at 0 ms."""
         per_context = [_interpolate(self.sizes, costs, rows) for costs in self.forward]
-        return max(0.0, _interpolate(self.contexts, per_context, context))
+        return max(self.head, _interpolate(self.contexts, per_context, context))
 
     @property
     def loop_ms(self) -> float:
@@ -105,7 +107,7 @@ class CostProfile:
 
     def verify_ms(self, rows: int, context: int) -> float:
         """A step's verify phase: one forward of `rows` tokens plus the loop's own cost."""
-        return max(0.0, self.forward_ms(rows, context) + self.loop_ms)
+        return max(self.head, self.forward_ms(rows, context) + self.loop_ms)
 
     def plain_ms(self, context: int) -> float:
         """A plain decoding step at `context`: what every method is measured against."""
@@ -185,14 +187,18 @@ def describe_origin(device: str, measured_at: float) -> str:
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys), continued linearly past both ends."""
+    """Piecewise-linear through (xs, ys), continued linearly past both ends with a slope of at least zero: a
+    cost never falls as rows or context grow, whatever two noisy readings say."""
     if len(xs) == 1:
         return ys[0]
     i = 1
     while i < len(xs) - 1 and x > xs[i]:
         i += 1
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    slope = (y1 - y0) / (x1 - x0)
+    if not xs[0] <= x <= xs[-1]:
+        slope = max(0.0, slope)
+    return y1 + slope * (x - x1) if x > x1 else y0 + slope * (x - x0)
 
 
 # -- measuring ------------------------------------------------------------------------------------------------

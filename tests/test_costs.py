@@ -1,6 +1,7 @@
 """The cost profile: measured on first use, saved beside the converted weights, read back, refreshed; the
 predictions made from it."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch
 
 from helpers import tiny_model
 from specgui import costs, decode
+from specgui.methods.policy import DraftPolicy
 from specgui.runner import SkipPlan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +58,20 @@ def test_predictions_interpolate_and_price_skipped_sublayers():
     assert profile.mechanism("x.lookup", lambda: calls.append(1) or 9.0) == 0.25 and calls == [1]
     text = profile.summary()
     assert "forward ms by new tokens" in text and "x.lookup" in text and "plain step 12.00 ms" in text
+
+
+def test_a_noisy_profile_never_prices_a_step_at_zero():
+    """A busy machine inflated the long-context reading and the step came out below the one-token forward:
+    extrapolated down to a short prompt, a verify was once priced 0 ms and the draft policy divided by it."""
+    profile = costs.CostProfile(key=KEY, sizes=[1, 4, 16], contexts=[128, 960], forward=[[3, 4, 3.5], [30, 31, 33]],
+                                step=1.0, attn=[1.0], mlp=[1.0], head=0.1)
+    assert profile.forward_ms(1, 20) == profile.head  # extrapolated below zero: floored at the LM head
+    assert profile.forward_ms(32, 128) == 3.5  # never falling past the last size measured
+    falling = dataclasses.replace(profile, forward=[[30, 31, 33], [3, 4, 3.5]])
+    assert falling.forward_ms(1, 2000) == 3 and falling.forward_ms(1, 20) == 30  # nor past either context
+    assert all(profile.verify_ms(n, ctx) >= profile.head for n in range(1, 40) for ctx in (0, 20, 500, 4000))
+    plan = DraftPolicy([1, 2, 4, 8]).choose(lambda n: profile.verify_ms(1 + n, 20), profile.plain_ms(20))
+    assert plan.size in (0, 1, 2, 4, 8)
 
 
 def test_methods_record_their_mechanisms_in_the_profile(cache_dir):
