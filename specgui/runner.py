@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specgui import attention
 from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, Layout, to_device
 
@@ -108,6 +109,8 @@ class Runner:
         self.lm_head = model.lm_head
         self.num_layers = len(self.layers)
         self.bool_masks = impl == "sdpa"
+        if self.bool_masks:
+            attention.install()  # grouped heads over a mask without copying the cache (CPU; see the module)
         self.dtype = next(model.parameters()).dtype
         self.embed_device = execution_device(self.embed)
         self.head_device = execution_device(self.lm_head)

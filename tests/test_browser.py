@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Browser, Page, sync_playwright
 from ui_helpers import prefill, run, served, start, step
 
 from specgui import methods
@@ -35,7 +35,7 @@ def browser_page(embedded_lm):
     with served(embedded_lm) as (_, url), sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = visitor(browser, 1400, 1000)
         outside = []
         page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
             (url.rstrip("/"), "data:", "blob:")) else None)
@@ -43,6 +43,14 @@ def browser_page(embedded_lm):
         page.wait_for_selector("#run")
         yield page, url, outside
         browser.close()
+
+
+def visitor(browser: Browser, width: int, height: int) -> Page:
+    """A new page of `width` x `height` whose every wait and action may take TIMEOUT_MS: on a busy machine (CI,
+    two workers and chromium on two cores) an upload once took longer than Playwright's default 30 s."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.set_default_timeout(TIMEOUT_MS)
+    return page
 
 
 def choose(page: Page, box: str, text: str) -> None:
@@ -167,7 +175,7 @@ def test_hostile_trace_text_shows_as_text_and_runs_nothing(browser_page, tmp_pat
 
 def test_a_waiting_visitor_sees_their_place_in_the_queue(browser_page):
     first, url, _ = browser_page
-    second = first.context.browser.new_page(viewport={"width": 1400, "height": 1000})  # another visitor
+    second = visitor(first.context.browser, 1400, 1000)  # another visitor
     second.goto(url)
     second.wait_for_selector("#run")
     start_long_run(first, 4)
@@ -197,7 +205,7 @@ def px(page: Page, selector: str) -> float:
 
 def test_stage_view_fits_a_projector_and_races_the_runs_after_run(browser_page, tmp_path):
     _, url, _ = browser_page
-    page = browser_page[0].context.browser.new_page(viewport={"width": STAGE[0], "height": STAGE[1]})
+    page = visitor(browser_page[0].context.browser, *STAGE)
     page.goto(url + "?view=stage")
     page.wait_for_selector("#run")
     assert page.evaluate("document.documentElement.classList.contains('sg-stage')")
@@ -246,7 +254,7 @@ def set_view(page: Page, *, stage: bool) -> None:
 
 def test_a_phone_gets_run_and_the_panes_before_the_settings(browser_page):
     _, url, _ = browser_page
-    page = browser_page[0].context.browser.new_page(viewport={"width": 390, "height": 844})
+    page = visitor(browser_page[0].context.browser, 390, 844)
     page.goto(url)
     page.wait_for_selector("#run")
     y = {i: page.locator(i).bounding_box()["y"] for i in ("#run", "#pane-method", "#pane-baseline", "#sg-settings")}

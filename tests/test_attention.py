@@ -1,0 +1,71 @@
+"""Grouped-query attention over a mask (`specgui.attention`): transformers' numbers bit for bit, without the
+copied keys and values, and what transformers' own generate runs too."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+from helpers import tiny_model
+from specgui import attention
+
+
+class Grouped(nn.Module):
+    """What the attention functions read from a layer's attention module."""
+
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def tensors(rows: int, columns: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 9, rows, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 3, columns, 16, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(1, 1, rows, columns, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees something
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,columns", [(2, 40), (5, 300), (16, 16)])
+def test_masked_rows_equal_transformers_bit_for_bit(rows, columns, dtype):
+    q, k, v, mask = tensors(rows, columns, dtype)
+    assert attention.covered(Grouped(), q, mask, {})
+    ours, _ = attention.grouped(Grouped(), q, k, v, mask, scaling=0.25)
+    theirs, _ = attention.STOCK(Grouped(), q, k, v, mask, scaling=0.25)
+    assert ours.shape == theirs.shape == (1, rows, 9, 16)
+    assert torch.equal(ours, theirs)
+
+
+def test_what_it_does_not_cover_goes_to_transformers():
+    q, k, v, mask = tensors(4, 20)
+    one, *_ = tensors(1, 20)
+    ungrouped = Grouped()
+    ungrouped.num_key_value_groups = 1
+    assert not attention.covered(Grouped(), q, None, {})  # no mask: transformers groups the heads itself
+    assert not attention.covered(Grouped(), one, mask[..., :1, :], {})  # one row: folded into the key heads
+    assert not attention.covered(ungrouped, q, mask, {})
+    assert not attention.covered(Grouped(), q, mask, {"position_bias": torch.zeros(1)})
+    assert not attention.covered(Grouped(), q.to("meta"), mask, {})  # not a CPU tensor
+    ours, _ = attention.grouped(Grouped(), q, k, v, None)  # causal over the first rows, as transformers does
+    theirs, _ = attention.STOCK(Grouped(), q, k, v, None)
+    assert torch.equal(ours, theirs)
+
+
+def test_installed_for_every_model_so_transformers_generate_runs_it_too():
+    lm = tiny_model(seed=3)  # its runner installs it
+    assert AttentionInterface._global_mapping["sdpa"] is attention.grouped
+    calls = []
+    original = attention.grouped
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[2])
+        return original(*args, **kwargs)
+
+    AttentionInterface.register("sdpa", counting)
+    try:
+        mask = torch.ones(1, 6, dtype=torch.long)
+        lm.model.generate(torch.tensor([[1, 2, 3, 4, 5, 6]]), attention_mask=mask, max_new_tokens=3, do_sample=False)
+    finally:
+        AttentionInterface.register("sdpa", original)
+    assert calls and calls[0] == 6  # the prompt's rows, then one row a step
