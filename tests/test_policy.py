@@ -163,3 +163,16 @@ def test_every_sized_method_obeys_the_profile_and_stays_lossless(tiny_lm, method
     assert "draft" not in modes and modes.count("paused") >= len(modes) // 2
     assert sum(s.drafted for s in runs["cheap"].steps) > sum(s.drafted for s in runs["dear"].steps)
     assert measured_nothing(cheap, dear)
+
+
+def test_whole_acceptance_is_the_curves_last_step():
+    """P(a draft of n is accepted whole): what Fractal charges a chain's restart by."""
+    policy = DraftPolicy([1, 2, 3, 4])
+    for _ in range(40):
+        policy.learn([0], 4, False)  # the first token always accepted, the second never
+    curve, whole = policy.curve(), policy.whole()
+    assert whole[1] == pytest.approx(curve[1]) and whole[1] > 0.9
+    assert all(whole[n] == pytest.approx(max(0.0, curve[n] - curve[n - 1])) for n in (2, 3, 4))  # never below 0
+    assert whole[2] < 0.2 and all(0.0 <= p <= 1.0 for p in whole.values())
+    gaps = DraftPolicy([1, 2, 4])
+    assert gaps.whole()[4] == pytest.approx((gaps.curve()[4] - gaps.curve()[2]) / 2)  # the slope over the gap

@@ -101,6 +101,15 @@ class DraftPolicy:
             out[n], last_n, last_e = e, n, e
         return out
 
+    def whole(self) -> dict[int, float]:
+        """P(a draft of n is accepted whole) for every size: the curve's last step, E[n] - E[n-1] (acceptance
+        stops at the first rejection; where sizes skip, the slope from the size below)."""
+        curve, out, last_n, last_e = self.curve(), {}, 0, 0.0
+        for n in self.sizes:
+            out[n] = min(1.0, max(0.0, (curve[n] - last_e) / (n - last_n)))
+            last_n, last_e = n, curve[n]
+        return out
+
     def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
         most the drafter can offer now (a lookup's length, the tokens left in the budget)."""
