@@ -71,13 +71,16 @@ def run_and_wait(page: Page) -> None:
 
 
 def start_long_run(page: Page, shown: int) -> None:
-    """Start a 600-token pld run and wait until more than `shown` of its tokens are on the page."""
+    """Start a 600-token pld run and wait until more than `shown` of *its* tokens are on the page: the tokens an
+    earlier run left are marked first, or a Stop pressed on them would reach the server before this run began
+    (and so before its stop flag existed) and the run would go on to its end."""
     choose(page, "#sg-method", "pld")
     page.locator("#sg-max-new input[type=number]").fill("600")
     page.locator("#sg-max-new input[type=number]").press("Enter")
+    page.evaluate("document.querySelectorAll('#sg-method-tokens .sg-tok').forEach(e => e.dataset.old = '1')")
     page.click("#run")
-    page.wait_for_function(f"document.querySelectorAll('#sg-method-tokens .sg-tok').length > {shown}",
-                           timeout=TIMEOUT_MS)
+    page.wait_for_function("document.querySelectorAll('#sg-method-tokens .sg-tok:not([data-old])').length"
+                           f" > {shown}", timeout=TIMEOUT_MS)
 
 
 def test_runs_every_method_and_shows_tokens_strip_and_summary(browser_page, tmp_path):

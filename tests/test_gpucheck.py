@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from specgui import gpucheck, methods
+from specgui.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_ONLY = {"tests", "bf16", "syncs_launches"}  # the sections a CPU skips
@@ -50,13 +51,15 @@ def test_sections_subset_runs_only_those(tmp_path):
     assert report["sections"]["switch"]["targets"][0]["target"].startswith("model freed")
 
 
-def test_bad_arguments_are_one_line_errors(tmp_path):
+def test_bad_arguments_are_one_line_errors(tmp_path, capfd):
+    """In-process (`cli.main`, what `python -m specgui` calls): the tests above go through the real entry point."""
     (tmp_path / "file").write_text("")
     for args, message in [(["--out", str(tmp_path), "--sections", "nope"], "unknown section 'nope'"),
                           (["--out", str(tmp_path / "file")], "is a file"),
                           (["--out", str(tmp_path), "--methods", "nope"], "unknown method")]:
-        out = cli(*args)
-        assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        status = main(["gpucheck", *args])
+        stderr = capfd.readouterr().err
+        assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_a_failing_section_records_its_error_and_the_others_still_run(tmp_path, monkeypatch):

@@ -22,13 +22,18 @@ def all_modules() -> list[str]:
     return found
 
 
-# Runs in one fresh interpreter: imports the third-party packages specgui's modules import (never a specgui module),
-# then forks a child per specgui module that imports just that one and reports the last line of any error.
+# Runs in one fresh interpreter: imports what specgui's modules import from third-party packages (never a specgui
+# module), then forks a child per specgui module that imports just that one and reports the last line of any error.
 IMPORT_EACH = """
 import importlib, json, os, sys, traceback
 names, third_party = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-for package in third_party:
-    importlib.import_module(package)
+for module, attributes in third_party:
+    try:  # a failure here is the child's to report, with the specgui module that met it
+        loaded = importlib.import_module(module)
+        for attribute in attributes:
+            getattr(loaded, attribute, None)  # a lazy package (transformers) imports the submodule behind a name
+    except Exception:
+        pass
 assert not [m for m in sys.modules if m == "specgui" or m.startswith("specgui.")]
 results = {}
 for name in names:
@@ -52,32 +57,42 @@ print(json.dumps(results))
 """
 
 
-def third_party_packages() -> list[str]:
-    """The top-level packages, outside specgui and the standard library, that specgui's modules import."""
-    found = set()
+def third_party_imports() -> list[tuple[str, list[str]]]:
+    """What specgui's modules import from outside specgui and the standard library: [(module, names taken from
+    it)], e.g. ("transformers.integrations.sdpa_attention", ["sdpa_attention_forward"]). The test's parent
+    loads all of it, submodules and lazy names included: importing only the top-level packages left each child
+    ~1 s of transformers' lazily loaded submodules, 50 s in all."""
+    found: dict[str, set[str]] = {}
     for path in (ROOT / "specgui").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
-                found |= {alias.name.partition(".")[0] for alias in node.names}
+                for alias in node.names:
+                    found.setdefault(alias.name, set())
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.add(node.module.partition(".")[0])
-    return sorted(name for name in found - {"specgui", "__future__"} - set(sys.stdlib_module_names)
-                  if importlib.util.find_spec(name) is not None)
+                found.setdefault(node.module, set()).update(alias.name for alias in node.names)
+    return sorted((module, sorted(names)) for module, names in found.items()
+                  if _top(module) not in {"specgui", "__future__", *sys.stdlib_module_names}
+                  and importlib.util.find_spec(_top(module)) is not None)
+
+
+def _top(module: str) -> str:
+    return module.partition(".")[0]
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each specgui module imports with no other specgui module loaded before it (no import circle, no module
     that works only after another happened to be imported first).
 
-    One fresh interpreter imports the third-party packages first and forks a child per module: importing torch,
-    transformers and gradio once instead of ~30 times takes the test from about a minute to seconds. That
+    One fresh interpreter imports what specgui takes from third-party packages first and forks a child per
+    module: importing torch, transformers and gradio once instead of ~45 times takes the test to seconds. That
     preload cannot hide what the test looks for: the order of specgui's own imports, which every child starts
     without (the parent asserts no specgui module is loaded before it forks)."""
     names = all_modules()
     assert {"specgui.methods.layerskip", "specgui.methods.skipdp", "specgui.methods.compress",
             "specgui.methods.ngram_cache", "specgui.ui.page"} <= set(names)
-    assert {"torch", "transformers", "gradio"} <= set(third_party_packages())
-    done = subprocess.run([sys.executable, "-c", IMPORT_EACH, json.dumps(names), json.dumps(third_party_packages())],
+    third_party = third_party_imports()
+    assert {"torch", "transformers", "gradio"} <= {_top(module) for module, _ in third_party}
+    done = subprocess.run([sys.executable, "-c", IMPORT_EACH, json.dumps(names), json.dumps(third_party)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
