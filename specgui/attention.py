@@ -10,12 +10,16 @@ context fell from 90-100 ms to 74-77 (one row: 65-74 ms), 4 rows from 93-112 to 
 
 On a GPU a mask with `enable_gqa` may leave the fused kernels, which this machine cannot measure: there, and
 for anything this does not cover (one row, no mask, a position bias, a paged cache), transformers' own
-function runs. It is installed on transformers' "sdpa" entry, for the whole process, so that transformers'
+function runs, until a measurement says otherwise: `python -m specgui gpucheck` times both forms for a verify
+on the device at hand and checks that their logits are equal (`grouped_on` switches a device type over).
+It is installed on transformers' "sdpa" entry, for the whole process, so that transformers'
 `generate` runs the same attention as SpecGUI's loop: comparisons stay like for like.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import PagedAttentionCache, sdpa_attention_forward
 
 STOCK = sdpa_attention_forward
+GROUPED_DEVICES = {"cpu"}  # device types on which `grouped` computes what it covers (measured faster and exact)
 
 
 def install() -> None:
@@ -31,9 +36,26 @@ def install() -> None:
     AttentionInterface.register("sdpa", grouped)
 
 
+@contextlib.contextmanager
+def grouped_on(device_type: str, enabled: bool) -> Iterator[None]:
+    """Within: `grouped` computes (or, not `enabled`, leaves to transformers) the calls it covers on
+    `device_type`, so that the two forms can be timed against each other on one device."""
+    before = set(GROUPED_DEVICES)
+    if enabled:
+        GROUPED_DEVICES.add(device_type)
+    else:
+        GROUPED_DEVICES.discard(device_type)
+    try:
+        yield
+    finally:
+        GROUPED_DEVICES.clear()
+        GROUPED_DEVICES.update(before)
+
+
 def covered(module: nn.Module, query: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
-    """Whether `grouped` computes this call itself: CPU, grouped heads, a mask, 2+ rows, nothing else asked."""
-    return (query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1 and mask is not None
+    """Whether `grouped` computes this call itself: a device of `GROUPED_DEVICES`, grouped heads, a mask, 2+ rows,
+    nothing else asked."""
+    return (query.device.type in GROUPED_DEVICES and getattr(module, "num_key_value_groups", 1) > 1 and mask is not None
             and query.shape[2] > 1 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
             and not kwargs.get("output_attentions") and not isinstance(kwargs.get("cache"), PagedAttentionCache))
 

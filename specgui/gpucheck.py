@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import platform
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specgui import REPO_DIR, bench, decode, fastpath, methods
+from specgui import REPO_DIR, attention, bench, decode, fastpath, methods
 from specgui.equality import first_divergence, logit_noise
 from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
 from specgui.prompts import PromptRow, load_prompts, select
@@ -520,6 +521,7 @@ def section_switch(ctx: Context) -> dict[str, Any]:
 
 # -- 9. attention kernels ------------------------------------------------------------------------------------
 
+VERIFY_ROWS = 8  # the verify the attention forms are timed on: a pld or Self-Draft step's size
 SDPA_OPS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
             "math": "MATH"}
 
@@ -543,9 +545,11 @@ def _which_sdpa(lm: LoadedModel, ids: list[int], rows: int) -> str:
 
 def section_sdpa(ctx: Context) -> dict[str, Any]:
     """Each SDPA backend forced in turn: whether the fast path's forwards (a bool mask over the static cache) can
-    run on it, and what a baseline step then costs with its programs captured anew under it; and which op runs
-    when none is forced, for one token and an 8-token verify. The question is a GPU's (flash kernels refuse a
-    bool mask); a CPU answers it for its own kernels, so the code cannot rot."""
+    run on it, and what a baseline step then costs with its programs captured anew under it; which op runs
+    when none is forced, for one token and an 8-token verify; and the two forms of masked grouped-query
+    attention (`_attention_forms`) timed and compared on a verify. The questions are a GPU's (flash kernels
+    refuse a bool mask; grouped heads with a mask may leave the fused kernels); a CPU answers them for its own
+    kernels, so the code cannot rot."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     opts = ctx.opts
@@ -568,8 +572,47 @@ def section_sdpa(ctx: Context) -> dict[str, Any]:
     finally:
         lm.runner.static_cache = None  # later sections capture under no forced backend
     chosen = {f"{t} token(s)": _which_sdpa(lm, ids, t) for t in (1, 8)}
-    note = "unforced, the op is " + "; ".join(f"{k}: {v}" for k, v in chosen.items())
-    return table(["backend", "result", "baseline ms/token"], rows, results=found, default_op=chosen, note=note)
+    forms = _attention_forms(lm, ids, VERIFY_ROWS)
+    for name, figures in forms.items():
+        rows.append([f"{name} attention, {VERIFY_ROWS}-token verify", figures["logits"], round(figures["ms"], 2)])
+    grouped_used = opts.device.type in attention.GROUPED_DEVICES
+    faster = forms["grouped"]["ms"] < forms["stock"]["ms"]
+    note = ("unforced, the op is " + "; ".join(f"{k}: {v}" for k, v in chosen.items())
+            + f"; masked attention over grouped heads runs as {'grouped' if grouped_used else 'stock'} here")
+    targets = [target(f"the faster exact attention form for a {VERIFY_ROWS}-token verify is the one used",
+                      f"grouped {forms['grouped']['ms']:.2f} ms, stock {forms['stock']['ms']:.2f} ms, "
+                      f"logits {forms['grouped']['logits']}",
+                      (grouped_used == (faster and forms["grouped"]["logits"] == "equal")) if opts.cuda else None)]
+    return table(["backend or form", "result", "baseline ms/token (verify: ms)"], rows, targets, results=found,
+                 default_op=chosen, forms=forms, note=note)
+
+
+def _attention_forms(lm: LoadedModel, ids: list[int], rows: int, repeats: int = 15) -> dict[str, dict[str, Any]]:
+    """transformers' masked attention (keys and values repeated to every query head: "stock") against
+    `attention.grouped` (torch's kernel told the grouping: "grouped") for a fast-path verify of `rows` tokens
+    after `ids`: the median ms of each, and whether the grouped form's logits equal the stock form's ("equal")
+    or by how much they differ. On a GPU this says whether `attention.GROUPED_DEVICES` should include it."""
+    runner, device = lm.runner, lm.runner.device
+    n = len(ids)
+    tokens, positions = torch.tensor((ids * rows)[:rows]), torch.arange(n, n + rows)
+    found: dict[str, dict[str, Any]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    try:
+        for name in ("stock", "grouped"):
+            with attention.grouped_on(device.type, name == "grouped"), torch.inference_mode():
+                runner.static_cache = None  # programs made (captured) anew under this form
+                cache = fastpath.cache_for(runner, n + rows)
+                runner.forward(torch.tensor(ids), torch.arange(n), cache)
+                verify = functools.partial(runner.forward, tokens, positions, cache.view(n))
+                logits[name] = verify().float().cpu().clone()  # the first call makes (captures) the programs
+                found[name] = {"ms": _time_ms(verify, device, repeats)}
+    finally:
+        runner.static_cache = None  # later sections capture under the form this device uses
+    gap = float((logits["grouped"] - logits["stock"]).abs().max())
+    for name in found:
+        found[name]["logits"] = "equal" if gap == 0 else f"max |diff| {gap:.3g}"
+    found["stock"]["logits"] = "reference"
+    return found
 
 
 SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {

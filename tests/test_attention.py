@@ -52,6 +52,16 @@ def test_what_it_does_not_cover_goes_to_transformers():
     assert torch.equal(ours, theirs)
 
 
+def test_grouped_on_switches_a_device_type_for_a_measurement_and_restores_it():
+    q, _, _, mask = tensors(4, 20)
+    with attention.grouped_on("cpu", False):
+        assert not attention.covered(Grouped(), q, mask, {})  # what gpucheck times as "stock" on a CPU
+        with attention.grouped_on("meta", True):
+            assert attention.covered(Grouped(), q.to("meta"), mask, {})
+        assert not attention.covered(Grouped(), q.to("meta"), mask, {})
+    assert attention.covered(Grouped(), q, mask, {}) and {"cpu"} == attention.GROUPED_DEVICES
+
+
 def test_installed_for_every_model_so_transformers_generate_runs_it_too():
     lm = tiny_model(seed=3)  # its runner installs it
     assert AttentionInterface._global_mapping["sdpa"] is attention.grouped

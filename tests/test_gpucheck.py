@@ -36,6 +36,8 @@ def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path):
     assert all(v["identical"] == v["total"] == 1 for v in identity.values()), identity
     assert sum(v["drafted"] for v in identity.values()) > 0  # identity of methods that never drafted proves nothing
     assert sections["bench"]["reports"]["on"]["methods"]["baseline"]["tokens_per_s"] > 0
+    forms = sections["sdpa"]["forms"]  # both attention forms timed on a verify; on a CPU equal bit for bit
+    assert forms["stock"]["ms"] > 0 and forms["grouped"]["ms"] > 0 and forms["grouped"]["logits"] == "equal"
     failed = [t for t in report["targets"] if t["pass"] is False]
     assert out.returncode == (1 if failed else 0)
     assert "| section | target | measured | result |" in out.stdout and "| identity |" in out.stdout

@@ -1,7 +1,11 @@
 """`pld`: prompt-lookup decoding (Saxena 2023), n-gram drafts copied from the context itself.
 
 The last `n` tokens (n from `max_ngram` down to `min_ngram`) are looked up among earlier positions of
-prompt + output; the tokens that followed the most recent earlier occurrence become a chain draft.
+prompt + output; the tokens that followed their first occurrence become a chain draft. The first, as in
+Saxena's reference code (and transformers' port): in input-grounded text the first occurrence is usually in
+the prompt, where the continuation being copied lives, while a later one is often in the output itself (on
+SmolLM2-135M's suite, 48 tokens, one prompt per category: 1.37x over baseline with the first, 1.34x with the
+most recent).
 No forward is spent on drafting, which makes it the cheapest check of the drafter interface and the
 verifier end to end, and strong wherever output copies input (summaries, code edits). How many of the
 found tokens to copy is the cost model's call (`specgui.methods.policy`): a verify of many tokens is
@@ -23,7 +27,7 @@ from specgui.params import param
 
 
 class NgramIndex:
-    """Most recent start position of every n-gram (n in [lo, hi]) that has a continuation."""
+    """First start position of every n-gram (n in [lo, hi]) that has a continuation."""
 
     def __init__(self, lo: int, hi: int) -> None:
         self.sizes = range(lo, hi + 1)
@@ -34,7 +38,7 @@ class NgramIndex:
         for n in self.sizes:
             table = self.table[n]
             for start in range(self.done[n], len(tokens) - n):
-                table[tuple(tokens[start : start + n])] = start
+                table.setdefault(tuple(tokens[start : start + n]), start)
             self.done[n] = max(self.done[n], len(tokens) - n)
 
     def lookup(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
@@ -59,7 +63,7 @@ class PldParams(SizedParams):
 class PromptLookup(Drafter):
     name = "pld"
     title = "Prompt lookup"
-    summary = "Copies the continuation of the latest earlier match of the last n-gram."
+    summary = "Copies the continuation of the first earlier match of the last n-gram."
     Params = PldParams
 
     def begin(self, state: DecodeState) -> None:
