@@ -579,7 +579,7 @@ def section_sdpa(ctx: Context) -> dict[str, Any]:
     faster = forms["grouped"]["ms"] < forms["stock"]["ms"]
     note = ("unforced, the op is " + "; ".join(f"{k}: {v}" for k, v in chosen.items())
             + f"; masked attention over grouped heads runs as {'grouped' if grouped_used else 'stock'} here")
-    targets = [target(f"the faster exact attention form for a {VERIFY_ROWS}-token verify is the one used",
+    targets = [target(f"the faster exact attention form (a verify of {VERIFY_ROWS} tokens) is the one used",
                       f"grouped {forms['grouped']['ms']:.2f} ms, stock {forms['stock']['ms']:.2f} ms, "
                       f"logits {forms['grouped']['logits']}",
                       (grouped_used == (faster and forms["grouped"]["logits"] == "equal")) if opts.cuda else None)]
