@@ -582,7 +582,7 @@ def section_sdpa(ctx: Context) -> dict[str, Any]:
     targets = [target(f"the faster exact attention form (a verify of {VERIFY_ROWS} tokens) is the one used",
                       f"grouped {forms['grouped']['ms']:.2f} ms, stock {forms['stock']['ms']:.2f} ms, "
                       f"logits {forms['grouped']['logits']}",
-                      (grouped_used == (faster and forms["grouped"]["logits"] == "equal")) if opts.cuda else None)]
+                      (grouped_used == (faster and forms["grouped"]["exact"])) if opts.cuda else None)]
     return table(["backend or form", "result", "baseline ms/token (verify: ms)"], rows, targets, results=found,
                  default_op=chosen, forms=forms, note=note)
 
@@ -590,8 +590,8 @@ def section_sdpa(ctx: Context) -> dict[str, Any]:
 def _attention_forms(lm: LoadedModel, ids: list[int], rows: int, repeats: int = 15) -> dict[str, dict[str, Any]]:
     """transformers' masked attention (keys and values repeated to every query head: "stock") against
     `attention.grouped` (torch's kernel told the grouping: "grouped") for a fast-path verify of `rows` tokens
-    after `ids`: the median ms of each, and whether the grouped form's logits equal the stock form's ("equal")
-    or by how much they differ. On a GPU this says whether `attention.GROUPED_DEVICES` should include it."""
+    after `ids`: the median ms of each, and whether the grouped form's logits equal the stock form's (`exact`;
+    `logits` says by how much they differ). On a GPU this says whether `attention.GROUPED_DEVICES` should include it."""
     runner, device = lm.runner, lm.runner.device
     n = len(ids)
     tokens, positions = torch.tensor((ids * rows)[:rows]), torch.arange(n, n + rows)
@@ -609,9 +609,8 @@ def _attention_forms(lm: LoadedModel, ids: list[int], rows: int, repeats: int = 
     finally:
         runner.static_cache = None  # later sections capture under the form this device uses
     gap = float((logits["grouped"] - logits["stock"]).abs().max())
-    for name in found:
-        found[name]["logits"] = "equal" if gap == 0 else f"max |diff| {gap:.3g}"
     found["stock"]["logits"] = "reference"
+    found["grouped"].update(exact=gap == 0, logits="equal" if gap == 0 else f"max |diff| {gap:.3g}")
     return found
 
 
