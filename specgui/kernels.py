@@ -163,6 +163,18 @@ def _skinny(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 FUNCTIONS = {"stock": _stock, "transposed": _transposed, "skinny": _skinny}
 
 
+def skinny_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ (weight * scale[:, None]).T + bias` for fp32 rows `x` [M, K] and int8 `weight` [N, K] with fp32 `scale`
+    [N], streaming the int8 weights (the skinny kernel's int8 form; call only where `skinny_library()` is not None)."""
+    x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, weight.shape[0])
+    skinny_library().skinny_linear_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), out.data_ptr(), rows, k,
+                                      weight.shape[0], torch.get_num_threads())
+    return out
+
+
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS or x.dtype != torch.float32 or x.requires_grad:
@@ -199,6 +211,8 @@ def skinny_library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(target))
     library.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     library.skinny_linear.restype = ctypes.c_int
+    library.skinny_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    library.skinny_linear_i8.restype = ctypes.c_int
     return library
 
 

@@ -80,7 +80,7 @@ def test_methods_record_their_mechanisms_in_the_profile(cache_dir):
         decode.run(lm, [1, 2, 3, 4, 1, 2, 3], method, max_new_tokens=6)
     profile = costs.profile_for(lm, fast_path=False)
     assert {"pld.lookup", "selfdraft.retrieve"} <= set(profile.mechanisms)
-    assert any(k.startswith("fractal.pass.torch-int8") for k in profile.mechanisms)
+    assert any(k.startswith("fractal.pass.") for k in profile.mechanisms)
     assert set(json.loads(next(cache_dir.glob("*.json")).read_text())["mechanisms"]) == set(profile.mechanisms)
 
 

@@ -15,8 +15,10 @@ PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 # The drafting mechanisms tiny_lm's runs here ask the profile for, at what they measured on a quiet machine
 # (ms): a hand-made profile prices them too, so that no verdict here rests on a timing taken during the test
 # (a CLaSp search measured on a busy machine could cost more than the hand-made forward)
+# (either CPU int8 backend: which one "auto" builds is itself measured)
 MECHANISMS = {"pld.lookup": 0.002, "selfdraft.retrieve": 0.007, "clasp.search.layer.2": 2.4,
-              "fractal.pass.torch-int8.rows3": 2.2, "fractal.pass.torch-int8.rows5": 2.6}
+              **{f"fractal.pass.{backend}.rows{rows}": ms for backend in ("torch-int8", "int8-weight-only")
+                 for rows, ms in ((3, 2.2), (5, 2.6))}}
 
 
 def profile(forward: list[float], *, layers: int = 4, unit: float = 1.0, step_extra: float = 0.0) -> CostProfile:

@@ -139,6 +139,30 @@ def test_skinny_rows_do_not_depend_on_the_rows_beside_them():
                 torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif("skinny" not in kernels.available_forms(), reason="no C compiler or no AVX2 here")
+def test_skinny_int8_form_is_the_scaled_product_row_by_row():
+    """Fractal's CPU int8 weights: scale[n] * (x . w_n) + bias[n] against a float64 reference, with the rows
+    independent of each other as in the fp32 form (every row count 1-25, odd widths, both thread counts)."""
+    generator = torch.Generator().manual_seed(1)
+    for n, k in [(200, 72), (37, 13), (960, 576)]:
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        scale, bias = torch.rand(n, generator=generator) / 100, torch.randn(n, generator=generator)
+        x = torch.randn(25, k, generator=generator)
+        together = kernels.skinny_int8(x, weight, scale, bias)
+        reference = (x.double() @ weight.double().T) * scale.double() + bias.double()
+        assert torch.allclose(together.double(), reference, rtol=1e-5, atol=1e-5)
+        unbiased = reference - bias.double()
+        assert torch.allclose(kernels.skinny_int8(x, weight, scale, None).double(), unbiased, rtol=1e-5, atol=1e-5)
+        for rows in range(1, 26):
+            assert torch.equal(kernels.skinny_int8(x[:rows], weight, scale, bias), together[:rows])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(kernels.skinny_int8(x, weight, scale, bias), together)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_matmul_forms_are_chosen_by_measurement_and_saved(tmp_path, monkeypatch):
     lm = tiny_model(seed=6)
     counts = kernels.install(lm.model, tmp_path)

@@ -7,21 +7,27 @@ differs by device and shape, so the backend is a choice:
   * "bnb-int8" (CUDA): bitsandbytes' LLM.int8 `Linear8bitLt` (outlier threshold 6.0, transformers' default),
     the paper's choice. On an H100 it cost 0.90x (1B shape) and 0.98x (8B) of the fp16 forward: the outlier
     search and casts eat the int8 gain at decode's few rows. On CPU it was ~5x *slower* than fp32.
-  * "int8-weight-only" (CUDA): int8 weights with a scale per output channel, activations in the model's
-    dtype (`torch._weight_int8pack_mm`): half the weight bytes of bf16, no activation quantization; what
-    a memory-bound decode step wants. On CPU it has no fast path (>10x slower than fp32).
+  * "int8-weight-only" (CUDA, and CPUs with AVX2 + FMA): int8 weights with a scale per output channel,
+    activations in the model's dtype: half the weight bytes of bf16 (a quarter of fp32), no activation
+    quantization; what a memory-bound decode step wants. On CUDA `torch._weight_int8pack_mm`; on a CPU the
+    skinny kernel's int8 form (`specgui/csrc/skinny_linear.c`: torch's own kernel there was >10x slower than
+    fp32), which streams the int8 weights once for all of a pass's rows.
   * "fp8" (CUDA, compute capability 8.9+: Ada, Hopper): e4m3 weights with a scale per output channel,
     activations quantized per row at each call, `torch._scaled_mm` on the fp8 tensor cores.
   * "bnb-nf4" (CUDA): bitsandbytes' 4-bit NormalFloat `Linear4bit`, a quarter of the weight bytes.
-  * "torch-int8" (CPU): torch's dynamic int8 linear (fbgemm/oneDNN, VNNI on this machine): int8 weights with
-    a scale per output channel, activations quantized per call. On the embedded model's shapes it took
-    22-55 us against fp32's 28-220 us per linear over 1-9 rows, and the LM head 0.4-0.8 ms against 3-10 ms
-    (measured against the small-batch fp32 kernel of `specgui/kernels.py`).
+  * "torch-int8" (CPU): torch's dynamic int8 linear (fbgemm/oneDNN): int8 weights with a scale per output
+    channel, activations quantized per call (7-bit where the CPU lacks VNNI).
   * "torch-fp16" (CPU): fbgemm's fp16-weight linear, not int8: the measured comparison point for the
     int8 path's accuracy against its cost.
-"auto" measures, once per runner, the candidates the device can run (CUDA: every CUDA backend above; CPU:
-torch-int8, the paper's int8) on one decoder layer's projections at a verify forward's row count, and
-builds the cheapest: the fastest measured is each device's default, not a guess.
+"auto" on CUDA measures the candidates the device can run (every CUDA backend above) on the projections of
+as many layers as it takes to read past the caches, and the LM head, at the rows the caller's passes carry,
+and builds the cheapest: the fastest measured is each device's default, not a guess. On a CPU it builds
+int8-weight-only where the skinny kernel builds, else torch-int8. Measured on the embedded model (AMD EPYC,
+two threads, 2026-11-25): every projection and the head of one pass took 8.9 ms against torch-int8's 11.8
+at 3 rows and 12.7 against 13.9 at 5 (torch-int8 wins from 8 rows on, past what Fractal's CPU passes
+carry); the compressed model's top-1 agreement with the full one was 94-99% against 81-93% on four held-out
+prompts, the activations' quantization being what costs it; and Fractal on the held-out prompts (one per
+category, 64 tokens) ran 1.24x against 1.09x, accepting 100% of its drafts against 98%.
 
 The final norm is shared with the model (a vector of `hidden` weights: nothing to compress or gain). The
 embedding is an int8 table with one scale per row: a lookup of a few rows costs nothing either way, but
@@ -49,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specgui import kernels
 from specgui.errors import SpecGUIError
 from specgui.runner import ATTN, MLP, Pass, Runner, execution_device
 
@@ -112,7 +119,10 @@ class Int8WeightOnlyLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scale.to(x.dtype))
+        rows = x.reshape(-1, x.shape[-1])
+        if x.device.type == "cpu" and x.dtype == torch.float32 and kernels.skinny_library() is not None:
+            return kernels.skinny_int8(rows, self.weight, self.scale, self.bias).view(*x.shape[:-1], -1)
+        out = torch._weight_int8pack_mm(rows, self.weight, self.scale.to(x.dtype))
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], -1)
@@ -280,20 +290,24 @@ def check_backend(backend: str, device: torch.device) -> None:
         raise SpecGUIError(f"unknown compression backend {backend!r}: use {', '.join(BACKENDS)}")
     if backend in CPU_BACKENDS and device.type != "cpu":
         raise SpecGUIError(f"the {backend} backend runs on CPU only: use one of {', '.join(CUDA_BACKENDS)} on CUDA")
-    if backend in CUDA_BACKENDS and backend != "bnb-int8" and device.type != "cuda":
+    if backend == "int8-weight-only" and device.type == "cpu":
+        if kernels.skinny_library() is None:
+            raise SpecGUIError("the int8-weight-only backend needs the skinny kernel on a CPU (x86-64 with AVX2 and "
+                               "FMA, and a C compiler): use torch-int8")
+    elif backend in CUDA_BACKENDS and backend != "bnb-int8" and device.type != "cuda":
         raise SpecGUIError(f"the {backend} backend is for CUDA GPUs: use torch-int8 on a CPU")
     if backend == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         raise SpecGUIError("the fp8 backend needs an Ada or Hopper GPU (compute capability 8.9+)")
 
 
-def compressed_copy(runner: Runner, backend: str = "auto") -> tuple[CompressedModel, bool]:
-    """The runner's compressed copy for `backend` ("auto": the cheapest measured), and whether this call
-    built it (first use only)."""
+def compressed_copy(runner: Runner, backend: str = "auto", rows: int = 5) -> tuple[CompressedModel, bool]:
+    """The runner's compressed copy for `backend` ("auto": the cheapest measured over `rows` rows, the rows the
+    caller's passes carry; chosen once per runner), and whether this call built it (first use only)."""
     check_backend(backend, runner.device)
     per_runner = _COPIES.setdefault(runner, {})
     auto = backend == "auto"
     if auto:
-        backend = per_runner["auto"].backend if "auto" in per_runner else cheapest(runner)
+        backend = per_runner["auto"].backend if "auto" in per_runner else cheapest(runner, rows)
     built = backend not in per_runner
     if built:
         per_runner[backend] = compress(runner, backend)
@@ -303,36 +317,47 @@ def compressed_copy(runner: Runner, backend: str = "auto") -> tuple[CompressedMo
 
 
 def candidates(device: torch.device) -> list[str]:
-    """The backends `auto` chooses among on a device."""
+    """The backends `auto` chooses among on a device. On a CPU one: int8 weights with fp32 activations where the
+    skinny kernel builds, as cheap as torch's dynamic int8 at a pass's 3-5 rows and more often right (see the
+    module's notes), else torch's dynamic int8."""
     if device.type != "cuda":
-        return ["torch-int8"]
+        return ["int8-weight-only" if kernels.skinny_library() is not None else "torch-int8"]
     fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
     return [b for b in CUDA_BACKENDS if b != "fp8" or fp8]
 
 
-def cheapest(runner: Runner, rows: int = 9) -> str:
-    """The candidate whose compressed pass over `rows` rows (a verify's pending token and 8 slots) costs
-    least: every layer's projections (one layer's copy, timed, times the layer count) plus the compressed
-    LM head, the largest single matrix of a small model. Attention over the cache and the norms are the
-    same whatever the backend, so they do not decide."""
-    layer = runner.layers[0]
+def cheapest(runner: Runner, rows: int = 5) -> str:
+    """The candidate whose compressed pass over `rows` rows costs least: every layer's projections plus the
+    compressed LM head, the largest single matrix of a small model. The projections are timed on copies of as
+    many layers as it takes to read past the CPU's last-level cache (`kernels.STREAM_BYTES` at a byte a weight),
+    and scaled to the layer count: a pass streams its weights from memory, and one layer's copy timed over and
+    over would sit in cache and price arithmetic instead. Attention over the cache and the norms are the same
+    whatever the backend, so they do not decide."""
+    options = candidates(runner.device)
+    per_layer = sum(p.numel() for p in runner.layers[0].parameters())
+    # one candidate (a CPU's) is built on one layer, to know that it runs, and not timed
+    count = 1 if len(options) == 1 else min(runner.num_layers, -(-kernels.STREAM_BYTES // max(1, per_layer)))
+    hidden = runner.config.hidden_size
     timings = {}
-    for backend in candidates(runner.device):
+    for backend in options:
         try:
             make = _maker(backend)
-            copy = CompressedLayer(layer, make)
-            linears = [copy.self_attn.qkv_proj, copy.self_attn.o_proj, copy.mlp.gate_up_proj, copy.mlp.down_proj]
-            sizes = [runner.config.hidden_size, layer.self_attn.o_proj.in_features, runner.config.hidden_size,
-                     layer.mlp.down_proj.in_features]
-            inputs = [torch.randn(1, rows, k, dtype=runner.dtype, device=runner.device) for k in sizes]
+            copies = [CompressedLayer(layer, make) for layer in runner.layers[:count]]
+            linears = [m for c in copies for m in (c.self_attn.qkv_proj, c.self_attn.o_proj, c.mlp.gate_up_proj,
+                                                  c.mlp.down_proj)]
+            inputs = [torch.randn(1, rows, m_in, dtype=runner.dtype, device=runner.device)
+                      for m_in in (hidden, runner.layers[0].self_attn.o_proj.in_features, hidden,
+                                   runner.layers[0].mlp.down_proj.in_features)] * count
             head = make(runner.lm_head)
-            x = torch.randn(rows, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
-            timings[backend] = runner.num_layers * _time(linears, inputs, runner.device) + _time([head], [x],
-                                                                                                   runner.device)
+            x = torch.randn(rows, hidden, dtype=runner.dtype, device=runner.device)
+            timings[backend] = 0.0 if len(options) == 1 else (
+                runner.num_layers / count * _time(linears, inputs, runner.device) + _time([head], [x], runner.device))
         except (RuntimeError, SpecGUIError) as exc:  # a kernel this device or build lacks
             LOG.info("compression backend %s unavailable here: %s", backend, str(exc).splitlines()[0])
     if not timings:
-        raise SpecGUIError(f"no compression backend runs here (tried {', '.join(candidates(runner.device))})")
+        raise SpecGUIError(f"no compression backend runs here (tried {', '.join(options)})")
+    LOG.info("compression backends over %d rows (ms a pass's linears): %s", rows,
+             ", ".join(f"{b} {t * 1000:.2f}" for b, t in timings.items()))
     return min(timings, key=timings.get)
 
 

@@ -70,8 +70,9 @@ class FractalParams(SizedParams):
                         "first; for per-model presets); empty: uniform")
     carry: bool = param(help="the verify forward carries the next draft's slots (else every step runs its "
                         "own draft forward, as in the paper)")
-    backend: str = param(choices=BACKENDS, help="compressed copy: auto = the cheapest measured on this device "
-                         "(specgui/methods/compress.py); torch-fp16 is a non-int8 comparison")
+    backend: str = param(choices=BACKENDS, help="compressed copy: auto = on CUDA the cheapest measured, on a CPU "
+                         "int8 weights through the skinny kernel where it builds (specgui/methods/compress.py); "
+                         "torch-fp16 is a non-int8 comparison")
 
 
 def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
@@ -201,10 +202,12 @@ class Fractal(Drafter):
     def __init__(self, runner: Runner, params: FractalParams, sampling: Sampling) -> None:
         super().__init__(runner, params, sampling)
         layers = fractal_positions(runner.num_layers, params)
-        # built here, outside decoding time, once per runner; its build time is reported in Prefill
-        compressed, built = compressed_copy(runner, params.backend)
+        window = params.window or len(layers)
+        # built here, outside decoding time, once per runner (its build time is reported in Prefill); "auto" is
+        # chosen over the rows of a steady verify forward's passes (pending token, chain, slots)
+        compressed, built = compressed_copy(runner, params.backend, rows=1 + 2 * window)
         self.build_ms = compressed.build_ms if built else 0.0
-        self.plan = Plan(runner, compressed, tuple(layers), params.window or len(layers), DeviceClock(runner.device))
+        self.plan = Plan(runner, compressed, tuple(layers), window, DeviceClock(runner.device))
 
     def begin(self, state: DecodeState) -> None:
         self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
