@@ -247,7 +247,7 @@ def lookup(lm: Any, fast_path: bool, *, run: Decode | None = None) -> tuple[Cost
     known = _PROFILES.setdefault(lm.runner, {})
     if fast_path in known:
         return known[fast_path], None
-    key = _key(lm, fast_path)
+    key = profile_key(lm, fast_path)
     path = _path(lm, key)
     if str(path) in _BY_FILE and _BY_FILE[str(path)].key == key:
         known[fast_path] = _BY_FILE[str(path)]
@@ -264,7 +264,7 @@ def lookup(lm: Any, fast_path: bool, *, run: Decode | None = None) -> tuple[Cost
 def remeasure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfile:
     """Measure the profile now, save it (replacing any saved one) and hold it for the process. Under the saved
     file's lock: a process that waited on another one measuring the same profile takes what it just saved."""
-    key = _key(lm, fast_path)
+    key = profile_key(lm, fast_path)
     path = _path(lm, key)
     asked = time.time()
     with exclusive(path):
@@ -303,8 +303,8 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
                                                                     cache.view(c)) for t in SIZES]
             forward.append(_medians_ms(calls, sync))
         attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync, fast_path)
-    profile = CostProfile(key=_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward, step=0.0,
-                          attn=attn, mlp=mlp, head=head)
+    profile = CostProfile(key=profile_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward,
+                          step=0.0, attn=attn, mlp=mlp, head=head)
     profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run)
     profile.measure_s = time.perf_counter() - started
     profile.measured_at = time.time()
@@ -388,7 +388,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def _key(lm: Any, fast_path: bool) -> dict[str, Any]:
+def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:
     """What a profile is valid for: the model's shape (not its weights), the device, dtype, path and versions."""
     runner = lm.runner
     if runner.device.type == "cuda":

@@ -24,7 +24,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgui import decode, methods
+from specgui import costs, decode, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
@@ -96,17 +96,28 @@ def drafting(method: str, params: dict[str, Any] | None) -> dict[str, Any] | Non
     return {**(params or {}), "policy": "fixed"}
 
 
+def flat_profile(lm: LoadedModel, fast_path: bool, ms: float = 10.0) -> costs.CostProfile:
+    """A hand-made cost profile in which a forward costs `ms` whatever its rows and context: for checks whose
+    verdicts rest on no price (fixed draft sizes), so that they measure no profile of their own (on the CPU's
+    fast path, the embedded model's took ~37 s and left the static cache sized for a 1088-token context)."""
+    layers = lm.runner.num_layers
+    return costs.CostProfile(key=costs.profile_key(lm, fast_path), sizes=[1, 64], contexts=[128],
+                             forward=[[ms, ms]], step=ms, attn=[ms / (4 * layers)] * layers,
+                             mlp=[ms / (4 * layers)] * layers, head=ms / 10)
+
+
 def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int]], max_new_tokens: int,
                             params: dict[str, Any] | None = None, min_accepted: int = 1,
-                            fast_path: str = "auto") -> list:
-    """`method` (on `fast_path`) must reproduce the eager baseline's greedy tokens exactly, and must actually
-    have drafted."""
+                            fast_path: str = "auto", profile: costs.CostProfile | None = None) -> list:
+    """`method` (on `fast_path`, priced by `profile` if given) must reproduce the eager baseline's greedy tokens
+    exactly, and must actually have drafted."""
     params = drafting(method, params)
     accepted = 0
     results = []
     for ids in prompts:
         base = baseline_run(lm, ids, max_new_tokens)
-        got = decode.run(lm, ids, method, max_new_tokens=max_new_tokens, params=params, fast_path=fast_path)
+        got = decode.run(lm, ids, method, max_new_tokens=max_new_tokens, params=params, fast_path=fast_path,
+                         profile=profile)
         if got.token_ids != base.token_ids:
             pos = next(i for i, (a, b) in enumerate(zip([*got.token_ids, -1], [*base.token_ids, -1])) if a != b)
             raise AssertionError(f"{method} diverged from baseline at token {pos} "

@@ -163,6 +163,16 @@ def test_skinny_int8_form_is_the_scaled_product_row_by_row():
             torch.set_num_threads(threads)
 
 
+def test_skinny_form_is_replaced_only_by_a_clearly_faster_one(monkeypatch):
+    """A noisy moment's few percent must not swap out the skinny form for good; a clear loss must."""
+    linear = torch.nn.Linear(8, 8)
+    for times, want in (({"stock": 1.0, "transposed": 1.05, "skinny": 1.08}, "skinny"),
+                        ({"stock": 1.0, "transposed": 1.3, "skinny": 1.2}, "stock"),
+                        ({"stock": 1.0, "transposed": 0.9}, "transposed")):
+        monkeypatch.setattr(kernels, "_medians_s", lambda passes, repeats, t=times: {f: t[f] for f in passes})
+        assert set(kernels.choose([linear], tuple(times))[1:]) == {want}, times
+
+
 def test_matmul_forms_are_chosen_by_measurement_and_saved(tmp_path, monkeypatch):
     lm = tiny_model(seed=6)
     counts = kernels.install(lm.model, tmp_path)
