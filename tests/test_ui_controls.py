@@ -75,7 +75,8 @@ def test_presets_name_a_registered_method_and_a_suite_prompt_each():
     assert len({p.method for p in presets}) == len(presets)  # one per method
     assert set(p.method for p in presets) == set(methods.names())
     assert all(p.max_new_tokens <= controls.max_new_tokens_cap() and p.name for p in presets)
-    assert {p.method for p in presets if p.params.get("policy") == "fixed"} >= {"clasp", "admg", "fractal"}
+    # the layer-skip presets show the paper's schedule: on a CPU the cost model decodes them plainly
+    assert {p.method for p in presets if p.params.get("policy") == "fixed"} >= {"clasp", "admg"}
 
 
 def test_a_preset_sets_its_methods_parameters_over_the_configs_ones(panel):
