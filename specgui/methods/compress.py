@@ -335,13 +335,15 @@ def cheapest(runner: Runner, rows: int = 5) -> str:
     whatever the backend, so they do not decide."""
     options = candidates(runner.device)
     per_layer = sum(p.numel() for p in runner.layers[0].parameters())
-    # one candidate (a CPU's) is built on one layer, to know that it runs, and not timed
-    count = 1 if len(options) == 1 else min(runner.num_layers, -(-kernels.STREAM_BYTES // max(1, per_layer)))
+    count = min(runner.num_layers, -(-kernels.STREAM_BYTES // max(1, per_layer)))
     hidden = runner.config.hidden_size
     timings = {}
     for backend in options:
         try:
             make = _maker(backend)
+            if len(options) == 1:  # nothing to choose between (a CPU's one candidate): that it can be made is enough
+                timings[backend] = 0.0
+                continue
             copies = [CompressedLayer(layer, make) for layer in runner.layers[:count]]
             linears = [m for c in copies for m in (c.self_attn.qkv_proj, c.self_attn.o_proj, c.mlp.gate_up_proj,
                                                   c.mlp.down_proj)]
@@ -350,8 +352,8 @@ def cheapest(runner: Runner, rows: int = 5) -> str:
                                    runner.layers[0].mlp.down_proj.in_features)] * count
             head = make(runner.lm_head)
             x = torch.randn(rows, hidden, dtype=runner.dtype, device=runner.device)
-            timings[backend] = 0.0 if len(options) == 1 else (
-                runner.num_layers / count * _time(linears, inputs, runner.device) + _time([head], [x], runner.device))
+            timings[backend] = (runner.num_layers / count * _time(linears, inputs, runner.device)
+                                + _time([head], [x], runner.device))
         except (RuntimeError, SpecGUIError) as exc:  # a kernel this device or build lacks
             LOG.info("compression backend %s unavailable here: %s", backend, str(exc).splitlines()[0])
     if not timings:
