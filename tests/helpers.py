@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ from specgui import costs, decode, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
+
+# One short prompt per suite category: for checks of what a suite run lays out, not of the suite's prompts
+SHORT_PROMPTS = Path(__file__).resolve().parent / "data" / "short-prompts.jsonl"
 
 
 class CharTokenizer:

@@ -12,6 +12,7 @@ from gradio_client import Client
 from ui_helpers import served as serve
 from ui_helpers import shown
 
+from helpers import SHORT_PROMPTS
 from specgui import decode
 from specgui.events import dumps_trace, from_json, load_trace
 from specgui.text import encode_prompt
@@ -166,10 +167,13 @@ def test_a_cancelled_api_run_frees_the_queue_for_the_next(served):
 
 
 @pytest.mark.parametrize("preset", ["clasp-paper", "selfdraft-paper", "asd-paper"])
-def test_compare_tab_runs_a_paper_preset_as_the_paper_lays_it_out(served, preset):
+def test_compare_tab_runs_a_paper_preset_as_the_paper_lays_it_out(served, preset, monkeypatch):
+    """On short prompts, one per category: the layout is checked here, the suite's prompts in `bench`."""
     from specgui import papers
-    from specgui.ui import compare
+    from specgui.prompts import load_prompts
+    from specgui.ui import compare, page
 
+    monkeypatch.setattr(page, "load_prompts", lambda: load_prompts(SHORT_PROMPTS))
     app, _ = served
     paper = papers.load(preset)
     status, table, _, note = app.run_compare([], compare.ALL, 1, 8, 1, preset)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from ui_helpers import prefill, run, served, start, step
 
 from specgui import methods
@@ -161,10 +162,7 @@ def test_hostile_trace_text_shows_as_text_and_runs_nothing(browser_page, tmp_pat
     pieces = {11: HOSTILE[0], 12: HOSTILE[1], 13: " ok"}
     trace = tmp_path / "hostile.json"
     save_trace(run(start("pld"), prefill(10, "A"), step(1, [11, 12], [0], 13, pieces=pieces)), trace)
-    if not page.locator("#sg-trace-in").is_visible():  # an earlier test on this page may have opened it
-        page.get_by_text("Trace: download or replay").click()
-    page.locator("#sg-trace-in input[type=file]").set_input_files(trace)
-    page.wait_for_selector("#sg-trace-in :text('hostile.json')")
+    upload_trace(page, trace, tmp_path)
     page.click("#sg-replay")
     page.wait_for_function("document.querySelector('#sg-status').innerText.includes('replay of a trace')",
                            timeout=60_000)
@@ -174,6 +172,28 @@ def test_hostile_trace_text_shows_as_text_and_runs_nothing(browser_page, tmp_pat
     assert page.locator("#sg-method-tokens img, #sg-method-tokens script, #sg-inspector img").count() == 0
     page.wait_for_timeout(500)  # an injected onerror would have fired by now
     assert dialogs == []
+
+
+def upload_trace(page: Page, trace: Path, tmp_path: Path, tries: int = 3) -> None:
+    """Open the trace accordion and upload `trace` until its name shows in the file box.
+
+    Gradio's upload is two requests, the file itself and an upload-progress stream that gives up when the
+    upload is not yet tracked 3 s after it opens (gradio/routes.py, `get_upload_progress`); on a loaded
+    machine that race left the box empty for 180 s in 2 of ~10 full runs. A user would upload again; so does
+    this check, and each failed try leaves a screenshot. The replay that follows is what it tests.
+    """
+    box = page.locator("#sg-trace-in")
+    for attempt in range(tries):
+        if not box.is_visible():  # closed, or an earlier test on this page opened and then reloaded it
+            page.get_by_text("Trace: download or replay").click()
+        box.wait_for(state="visible", timeout=30_000)
+        box.locator("input[type=file]").set_input_files(trace)
+        try:
+            box.locator(f":text('{trace.name}')").wait_for(timeout=45_000)
+            return
+        except PlaywrightTimeout:
+            page.screenshot(path=tmp_path / f"upload-{attempt}.png", full_page=True)
+    raise AssertionError(f"{trace.name} never showed in the trace box after {tries} uploads (screenshots: {tmp_path})")
 
 
 def test_a_waiting_visitor_sees_their_place_in_the_queue(browser_page):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SHORT_PROMPTS
+from specgui import loading
 from specgui.cli import main
 from specgui.events import load_trace
 
@@ -16,6 +18,26 @@ ROOT = Path(__file__).resolve().parent.parent
 def cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "specgui", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture
+def in_process(embedded_lm, monkeypatch, capfd):
+    """`cli.main` in this process on the session's embedded model: the commands whose subject is what they
+    compute, not the entry point (the generate test and `test_bad_input_through_the_real_entry_point` start
+    `python -m specgui`), without importing torch, loading the model and auditing its ties again."""
+
+    def load(spec):
+        assert spec == embedded_lm.spec, f"this test expects the embedded model, got {spec}"
+        return embedded_lm
+
+    monkeypatch.setattr(loading, "load", load)
+
+    def run(*args):
+        status = main(list(args))
+        out, err = capfd.readouterr()
+        assert status == 0, err
+        return out
+    return run
 
 
 def test_generate_prints_text_summary_and_writes_a_trace(tmp_path, embedded_lm):
@@ -28,30 +50,31 @@ def test_generate_prints_text_summary_and_writes_a_trace(tmp_path, embedded_lm):
     assert events[0].method == "pld" and events[-1].new_tokens <= 12
 
 
-def test_bench_writes_json(tmp_path, embedded_lm):
+def test_bench_writes_json(tmp_path, in_process):
     report = tmp_path / "r.json"
-    out = cli("bench", "--methods", "hf-generate,pld", "--categories", "qa", "--limit", "1",
-              "--max-new-tokens", "8", "--json", str(report))
-    assert out.returncode == 0, out.stderr
+    out = in_process("bench", "--methods", "hf-generate,pld", "--categories", "qa", "--limit", "1",
+                     "--max-new-tokens", "8", "--json", str(report))
     data = json.loads(report.read_text())
     assert set(data["methods"]) == {"baseline", "hf-generate", "pld"}
     for figures in data["methods"].values():
         assert {"tokens_per_s", "speedup", "mean_accepted", "identical", "total"} <= set(figures)
-    assert data["per_prompt"] and "category qa" in out.stdout
+    assert data["per_prompt"] and "category qa" in out
 
 
 @pytest.mark.parametrize("preset", ["clasp-paper", "selfdraft-paper", "asd-paper"])
-def test_bench_runs_a_paper_preset_and_prints_its_table(tmp_path, embedded_lm, preset):
+def test_bench_runs_a_paper_preset_and_prints_its_table(tmp_path, in_process, preset):
+    """Short prompts: what is checked is the preset's layout, not the suite's prompts (the bench CLI runs
+    those in `test_bench_writes_json`)."""
     from specgui import papers
 
     paper = papers.load(preset)
     report = tmp_path / "r.json"
-    out = cli("bench", "--preset", preset, "--limit", "1", "--max-new-tokens", "8", "--json", str(report))
-    assert out.returncode == 0, out.stderr
+    out = in_process("bench", "--preset", preset, "--prompts", str(SHORT_PROMPTS), "--limit", "1",
+                     "--max-new-tokens", "8", "--json", str(report))
     data = json.loads(report.read_text())
     assert list(data["methods"]) == list(paper.methods) and set(data["categories"]) == set(paper.categories)
     assert data["paper"]["preset"] == preset and paper.setting in data["paper"]["caption"]
-    assert paper.title in out.stdout and [r[0] for r in data["paper"]["rows"]].count("paper") >= 2
+    assert paper.title in out and [r[0] for r in data["paper"]["rows"]].count("paper") >= 2
 
 
 @pytest.mark.parametrize("args, message", [
