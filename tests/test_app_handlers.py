@@ -412,6 +412,15 @@ def test_fifty_runs_do_not_leak(app):
     assert len(list(app.trace_root.iterdir())) <= KEEP_TRACES  # nor trace files on disk
 
 
+def test_an_apps_trace_folder_goes_with_it(tiny_lm):
+    page = App(holding(tiny_lm))
+    save_trace(run(start(), prefill()), page.trace_root / "t.json")
+    root = page.trace_root
+    del page
+    gc.collect()
+    assert not root.exists()
+
+
 # -- ZeroGPU wiring ----------------------------------------------------------------------------------------------
 
 FAKE_SPACES = '''

@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -145,6 +146,8 @@ class App:
         self.device = resolve_device("auto").type
         self.defaults = decoding_defaults()
         self.trace_root = Path(tempfile.mkdtemp(prefix="specgui-traces-"))
+        # removed with the app, or when the process exits (a test session built ~30 apps and left their folders)
+        weakref.finalize(self, shutil.rmtree, str(self.trace_root), True)
 
     # -- layout ---------------------------------------------------------------------------------------
 
