@@ -1,5 +1,6 @@
 """The decode loop: one loop for every method, yielding events.
 
+    setup:   the method's one-time work (D&V's search, first-use timings), before the clock starts
     prefill: the prompt forward gives the first token (the pending token; its keys are not cached)
     repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
              2. verify   one target forward over [pending] + tree (+ extras)
@@ -125,6 +126,7 @@ def generate(
                 prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static, costs=profile.curve())
 
     with torch.inference_mode():
+        drafter.setup(state)  # one-time work (a skip-set search, first-use timings): before the clock starts
         clock = _Clock(runner.device)
         # prefill: the prompt forward yields the first new token
         n = len(prompt_ids)

@@ -4,6 +4,7 @@ Losslessness with the presets (greedy on tiny and embedded models, sampling) is 
 """
 
 import json
+import time
 
 import pytest
 import torch
@@ -102,6 +103,21 @@ def test_search_runs_once_per_model_then_comes_from_the_disk_cache(deep_lm, cach
     files[0].write_text("{not json")  # a damaged file is searched again
     assert cached(deep_lm) is False
     assert len(list((cache_dir / "skipsets").glob("dv-*.json"))) == 2
+
+
+def test_the_search_is_not_timed_as_part_of_the_run(deep_lm, cache_dir, monkeypatch):
+    """The paper searches offline: a model's first D&V run pays the search before its clock starts (in the app
+    it once made the first run's prefill 38 s, and its race replayed that)."""
+    real = dv.search
+
+    def slow(*args, **kwargs):
+        time.sleep(2.0)  # far longer than the whole run: it must not show in the run's timings
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dv, "search", slow)
+    result = decode.run(deep_lm, PROMPT, "dv", max_new_tokens=8, params=QUICK)
+    assert result.events[1].payload["search"]["cached"] is False  # this run did search
+    assert result.events[1].ms < 2000 and result.summary.wall_s < 2.0
 
 
 def test_a_search_setting_has_its_own_cache_entry(deep_lm, cache_dir):

@@ -96,6 +96,7 @@ def test_draft_forward_leaves_the_cache_holding_the_committed_prefix(tiny_lm):
     state = DecodeState(runner, KVCache(), [*PROMPTS[1], 3], len(PROMPTS[1]), GREEDY, None, max_new_tokens=20)
     with torch.inference_mode():
         runner.forward(torch.tensor(PROMPTS[1]), torch.arange(state.committed), state.cache)
+        drafter.setup(state)
         drafter.begin(state)
         draft = drafter.draft(state)
     assert [state.cache.get_seq_length(i) for i in range(runner.num_layers)] == [state.committed] * runner.num_layers

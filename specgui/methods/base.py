@@ -1,8 +1,10 @@
 """The drafter interface every method implements, and the decorator that registers one.
 
-A drafter is created per generation and lives through three calls, all made by `decode.generate`:
+A drafter is created per generation and lives through four calls, all made by `decode.generate`:
 
-  begin(state)            before the prompt forward; may return an observer for it (ADMG reads the
+  setup(state)            before the clock starts: one-time work no run is timed for (the offline search
+                          a paper does before decoding, first-use timings of the method's own mechanisms)
+  begin(state)            before the prompt forward, timed; may return an observer for it (ADMG reads the
                           prompt's hidden states there)
   draft(state) -> Draft   propose a token tree; may run its own forwards, but must leave every cache
                           layer holding exactly the committed prefix, as it found it
@@ -94,6 +96,12 @@ class Drafter:
         self.runner = runner
         self.params = params
         self.sampling = sampling
+
+    def setup(self, state: DecodeState) -> None:
+        """Work that belongs before decoding, not to it: D&V's skip-set search (offline in its paper), the
+        cost model's first-use timing of a mechanism (saved in the profile, so later runs find it). Untimed,
+        so that a model's first run of a method is priced like every later one. The cache is still empty; a
+        measurement may use it but must leave it empty."""
 
     def begin(self, state: DecodeState) -> Observer | None:
         return None

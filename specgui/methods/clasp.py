@@ -47,16 +47,18 @@ class Clasp(LayerSkipDrafter):
     summary = "Skips the layers a dynamic program picks from the last verified token's hidden states."
     Params = ClaspParams
 
-    def begin(self, state: DecodeState) -> HiddenRecorder:
-        super().begin(state)
+    def setup(self, state: DecodeState) -> None:
         self.units = make_units(self.runner.num_layers, self.params.granularity)
         self.budget = max(1, min(len(self.units) - 1, round(self.params.skip_fraction * len(self.units))))
+        key = f"clasp.search.{self.params.granularity}.{self.budget}"
+        self.dp_ms = state.profile.mechanism(key, lambda: self._search_ms(state)) if state.profile else 0.0
+
+    def begin(self, state: DecodeState) -> HiddenRecorder:
+        super().begin(state)
         self.recorder = HiddenRecorder()  # the prefill's states feed the first DP
         self.searched = False  # no skip set yet: the first draft searches
         self.since_dp = 0  # verify steps since the last DP
         self.anchor = (-1, state.prompt_len - 1)  # (block row, position) of the recorded last accepted token
-        key = f"clasp.search.{self.params.granularity}.{self.budget}"
-        self.dp_ms = state.profile.mechanism(key, lambda: self._search_ms(state)) if state.profile else 0.0
         return self.recorder
 
     def make_exit(self) -> ExitThreshold:
@@ -104,7 +106,7 @@ class Clasp(LayerSkipDrafter):
     def _search_ms(self, state: DecodeState) -> float:
         """One DP's ms on this model and device (the profile's `clasp.search...` mechanism), timed on a
         32-token context built from the prompt's tokens: the DP's cost depends on the model, not the text.
-        It runs on the path the run takes, over the run's own cache (empty in `begin`, emptied again)."""
+        It runs on the path the run takes, over the run's own cache (empty in `setup`, emptied again)."""
         tokens = torch.tensor((state.tokens * 32)[:32])
         recorder = HiddenRecorder()
         self.runner.forward(tokens, torch.arange(32), state.cache, observer=recorder, logits_rows=slice(31, 32))

@@ -271,11 +271,13 @@ class DraftVerify(LayerSkipDrafter):
     summary = "Skips one set of sub-layers per model, found offline by Bayesian optimisation; adaptive draft exit."
     Params = DvParams
 
-    def begin(self, state: DecodeState) -> None:
-        super().begin(state)
+    def setup(self, state: DecodeState) -> None:
         if state.profile is None:
             raise SpecGUIError("dv prices its skip-set search with the model's cost profile; none is at hand")
         self.found, self.cached = load_or_search(self.runner, state.tokenizer, self.params, state.profile)
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
         self.plan = self.found.plan
         return None
 

@@ -209,22 +209,23 @@ class Fractal(Drafter):
         self.build_ms = compressed.build_ms if built else 0.0
         self.plan = Plan(runner, compressed, tuple(layers), window, DeviceClock(runner.device))
 
-    def begin(self, state: DecodeState) -> None:
-        self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
-        self.carried_origin: list[int] = []
-        self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
-        self.carrying: Splice | None = None
-        self.sized, self.drafted, self.exhausted, self.exact_first = 0, 0, False, False
-        w = self.plan.window
-        # sizes count slot tokens: a restart's draft adds the exact token its own forward read off in front
-        self.policy = self.sizing(state, range(1, w + 1))
-        backend = self.plan.compressed.backend
+    def setup(self, state: DecodeState) -> None:
+        w, backend = self.plan.window, self.plan.compressed.backend
         # a compressed pass over the rows the forwards carry: a restart's [pending, slots] and the steady
         # verify's [pending, chain, slots] with the whole chain (contexts: `_passes_ms` scales by the forward's)
         self.pass_rows = (1 + w, 1 + 2 * w)
         self.pass_ms = [state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}",
                                                 lambda r=rows: self._pass_ms(state, r)) if state.profile else 1.0
                         for rows in self.pass_rows]
+
+    def begin(self, state: DecodeState) -> None:
+        self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
+        self.carried_origin: list[int] = []
+        self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
+        self.carrying: Splice | None = None
+        self.sized, self.drafted, self.exhausted, self.exact_first = 0, 0, False, False
+        # sizes count slot tokens: a restart's draft adds the exact token its own forward read off in front
+        self.policy = self.sizing(state, range(1, self.plan.window + 1))
 
     def draft(self, state: DecodeState) -> Draft:
         """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
@@ -286,7 +287,7 @@ class Fractal(Drafter):
 
     def _pass_ms(self, state: DecodeState, rows: int) -> float:
         """One compressed pass (every compressed layer and the head) over `rows` rows after a PASS_CONTEXT-token
-        prefix, on the path the run takes: over the run's own cache, still empty in `begin`, and emptied again."""
+        prefix, on the path the run takes: over the run's own cache, still empty in `setup`, and emptied again."""
         runner, comp = self.runner, self.plan.compressed
         prefix = torch.arange(PASS_CONTEXT) % int(runner.config.vocab_size)
         with torch.inference_mode():

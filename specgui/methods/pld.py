@@ -66,11 +66,14 @@ class PromptLookup(Drafter):
     summary = "Copies the continuation of the first earlier match of the last n-gram."
     Params = PldParams
 
+    def setup(self, state: DecodeState) -> None:
+        self.ngrams = sorted((self.params.min_ngram, self.params.max_ngram))
+        self.lookup_ms = (state.profile.mechanism("pld.lookup", lambda: _lookup_ms(*self.ngrams)) if state.profile
+                          else 0.0)
+
     def begin(self, state: DecodeState) -> None:
-        lo, hi = sorted((self.params.min_ngram, self.params.max_ngram))
-        self.index = NgramIndex(lo, hi)
+        self.index = NgramIndex(*self.ngrams)
         self.policy = self.sizing(state, range(1, self.params.num_draft + 1))
-        self.lookup_ms = state.profile.mechanism("pld.lookup", lambda: _lookup_ms(lo, hi)) if state.profile else 0.0
         self.drafted, self.exhausted = 0, False
 
     def draft(self, state: DecodeState) -> Draft:

@@ -68,10 +68,14 @@ class SelfDraft(Drafter):
     summary = "Verifies context and corpus n-grams while draft branches in the same forward feed the context cache."
     Params = SelfDraftParams
 
+    def setup(self, state: DecodeState) -> None:
+        p = self.params
+        self.corpus = self._corpus() if p.use_corpus and p.corpus else None
+        self.retrieve_ms = state.profile.mechanism("selfdraft.retrieve", self._retrieve_ms) if state.profile else 0.0
+
     def begin(self, state: DecodeState) -> None:
         p = self.params
         self.context = NgramCache(p.max_key, p.lru)
-        self.corpus = self._corpus() if p.use_corpus and p.corpus else None
         self.indexed = 0  # text positions before this one are indexed with a full continuation
         # Branches start from prompt tokens spread over the prompt's second half (the user's text, after any
         # chat-template preamble); deterministic, so that runs and benchmarks repeat exactly.
@@ -84,18 +88,14 @@ class SelfDraft(Drafter):
         self.candidates: list[dict[str, Any]] = []
         self.policy = self.sizing(state, range(1, p.budget + 1))
         self.verified, self.exhausted = 0, False
-        self.retrieve_ms = state.profile.mechanism("selfdraft.retrieve", self._retrieve_ms) if state.profile else 0.0
 
     def _retrieve_ms(self) -> float:
-        """One retrieval into a full trie from a context cache indexed over 1024 tokens (for the cost model)."""
+        """One retrieval into a full trie from a context cache indexed over 1024 tokens (for the cost model; in
+        `setup`, so the cache it fills is its own: `begin` starts the run's)."""
         text = torch.randint(0, 1000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
-        saved = self.context
         self.context = NgramCache(self.params.max_key, self.params.lru)
         self.context.add_text(text, self.params.gram, range(len(text) - 1))
-        try:
-            return time_ms(lambda: self._retrieve(text, self.params.gram), torch.device("cpu"))
-        finally:
-            self.context = saved
+        return time_ms(lambda: self._retrieve(text, self.params.gram), torch.device("cpu"))
 
     def _corpus(self) -> CorpusCache:
         corpus = load_corpus(self.params.corpus)
