@@ -64,6 +64,32 @@ def suite_sample(suite, embedded_lm):
     return [row.encode(embedded_lm.tokenizer) for row in firsts.values()]
 
 
+# Files handed out first, longest first (seconds on a 2-core AMD EPYC, 2026-11-25): with `--dist loadfile` each
+# file is one unit of work, and xdist by default hands out the files with the most tests first, which put the
+# 350 s test_lossless.py fifth and let the two workers end ~15 s apart. The rest follow in collection order.
+LONG_FILES = ("test_lossless.py",  # 350
+              "test_fastpath.py",  # 145
+              "test_browser.py",  # 110
+              "test_app_e2e.py",  # 48
+              "test_fractal.py",  # 42
+              "test_gpucheck.py",  # 38
+              "test_cli.py",  # 36
+              "test_clasp.py")  # 36
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep the order below, not xdist's by number of tests
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: tests keep their order within a file
+
+
 def pytest_unconfigure(config):
     if _OWNER:
         shutil.rmtree(os.environ["SPECGUI_TEST_CACHE"], ignore_errors=True)  # the link only: the weights stay

@@ -29,12 +29,6 @@ def test_greedy_identical_on_tiny_llama(tiny_lm, method):
 
 
 @pytest.mark.parametrize("method", SPECULATIVE)
-def test_greedy_identical_on_embedded_model(embedded_lm, suite_sample, method):
-    """One prompt per suite category, 48 new tokens each (the full suite runs in `bench`)."""
-    assert_greedy_identical(embedded_lm, method, suite_sample, max_new_tokens=48)
-
-
-@pytest.mark.parametrize("method", SPECULATIVE)
 def test_sampling_keeps_target_distribution(sampling_lm, method):
     assert_sampling_lossless(sampling_lm, method, ALL_TOKENS, runs=2000)
 
@@ -42,6 +36,14 @@ def test_sampling_keeps_target_distribution(sampling_lm, method):
 @pytest.mark.parametrize("method", SPECULATIVE)
 def test_sampling_with_top_k_top_p_keeps_target_distribution(sampling_lm, method):
     assert_sampling_lossless(sampling_lm, method, ALL_TOKENS, runs=1500, temperature=0.7, top_k=8, top_p=0.9)
+
+
+# After the tiny models' tests: this file runs first on one worker while the other loads the embedded model
+# and measures its cost profile, which these tests would otherwise wait for.
+@pytest.mark.parametrize("method", SPECULATIVE)
+def test_greedy_identical_on_embedded_model(embedded_lm, suite_sample, method):
+    """One prompt per suite category, 48 new tokens each (the full suite runs in `bench`)."""
+    assert_greedy_identical(embedded_lm, method, suite_sample, max_new_tokens=48)
 
 
 def test_baseline_is_reproducible_with_a_seed(sampling_lm):
