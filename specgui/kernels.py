@@ -11,9 +11,15 @@ development machine (Intel, MKL, fp32) the stock kernel over 2-8 rows was slower
   stock       `x @ W.T` (torch's kernel)
   transposed  `(W @ x.T).T`
   skinny      `specgui/csrc/skinny_linear.c`: each block of weight rows read from memory once and
-              multiplied with every input row in registers (AVX2 + FMA), compiled on first use with the
-              machine's C compiler (none, or no AVX2: the form is not offered). Its rows come out the same
-              whatever other rows share the call, so a verify forward's rows equal plain steps' bit for bit.
+              multiplied with every input row in registers (AVX-512 where the CPU has it, else AVX2 + FMA),
+              compiled on first use with the machine's C compiler (none, or no AVX2: the form is not offered).
+              Its rows come out the same whatever other rows share the call, so a verify forward's rows equal
+              plain steps' bit for bit.
+
+bfloat16 weights (`--dtype bfloat16` on a CPU, a choice the user makes, never made for them) take the same
+forms: the skinny kernel streams the bf16 weights (half of fp32's bytes), widens them exactly and multiplies in
+fp32; its result is rounded to bf16 as torch's kernel rounds it. torch's own bf16 kernel on an AMD EPYC with
+native bf16 instructions made a one-row forward slower than fp32's (36 ms against 30).
 
 `install` times each form on every distinct weight shape of the model, for 1 ... 64 rows, calling the
 model's own modules of that shape in turn so that the weights come from memory as they do in a forward,
@@ -47,24 +53,26 @@ from torch import nn
 from specgui.cachedir import cache_root, exclusive
 
 FORMS = ("stock", "transposed", "skinny")
+DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes the forms are chosen for
 MAX_ROWS = 64
 PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # row counts timed (the cost profile's); others take the one below
 SKINNY_MARGIN = 1.1  # another form replaces skinny only when measured this much faster (`choose`)
 STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # plus -mavx512f where the CPU has it (`_cflags`)
 LOG = logging.getLogger("specgui.kernels")
+Shape = tuple[int, int, torch.dtype]  # a weight's (out, in) and dtype
 
 
 def install(model: nn.Module, cache_dir: Path | None = None, forced: str | None = None) -> dict[str, int]:
     """Route every plain fp32 CPU `nn.Linear` of `model` through the form measured fastest on its weight shape,
     per row count up to MAX_ROWS (`forced`: one form for every row count, for tests and comparisons). Choices are
     read from / saved to `cache_dir` when given. Returns how many modules take each form at one row or more."""
-    shapes: dict[tuple[int, int], list[nn.Linear]] = {}
+    shapes: dict[Shape, list[nn.Linear]] = {}
     for module in model.modules():
-        if (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+        if (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in DTYPES
                 and module.weight.is_contiguous() and not hasattr(module, "_hf_hook")):
-            shapes.setdefault(tuple(module.weight.shape), []).append(module)
+            shapes.setdefault((*module.weight.shape, module.weight.dtype), []).append(module)
     offered = available_forms()
     if forced is not None and forced not in offered:
         raise ValueError(f"kernel form {forced!r} is not available here (available: {', '.join(offered)})")
@@ -81,12 +89,13 @@ def install(model: nn.Module, cache_dir: Path | None = None, forced: str | None 
     return counts
 
 
-def _tables(shapes: dict[tuple[int, int], list[nn.Linear]], offered: tuple[str, ...],
-            saved_path: Path | None) -> dict[tuple[int, int], list[str]]:
+def _tables(shapes: dict[Shape, list[nn.Linear]], offered: tuple[str, ...],
+            saved_path: Path | None) -> dict[Shape, list[str]]:
     """Each shape's form per row count: saved, else measured (under the file's lock, so that processes sharing
     the cache measure a shape once) and saved."""
-    def key(shape: tuple[int, int]) -> str:
-        return f"{shape[0]}x{shape[1]}"
+    def key(shape: Shape) -> str:
+        out, inp, dtype = shape
+        return f"{out}x{inp}" + ("" if dtype == torch.float32 else f" {str(dtype).removeprefix('torch.')}")
 
     saved = _read_choices(saved_path, offered)
     if any(key(shape) not in saved for shape in shapes):
@@ -123,11 +132,11 @@ def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 3)
     projection, transposed by 20-30%) the other form still wins; and only skinny's rows come out the same
     whatever rows share the call, so a tie leans its way."""
     weight = modules[0].weight
-    cycle = modules[: max(1, min(len(modules), STREAM_BYTES // (weight.numel() * 4)))]
+    cycle = modules[: max(1, min(len(modules), STREAM_BYTES // (weight.numel() * weight.element_size())))]
     best = []
     with torch.inference_mode():
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, weight.shape[1])
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             times = _medians_s({form: [(FUNCTIONS[form], m, x) for m in cycle] for form in offered}, repeats)
             fastest = min(times, key=times.get)
             keep = "skinny" in times and times["skinny"] <= SKINNY_MARGIN * times[fastest]
@@ -161,13 +170,16 @@ def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _skinny(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
+    weight, bias = module.weight, module.bias
+    x = x.contiguous() if weight.dtype == torch.float32 else x.float()  # bf16 rows widen exactly
     rows, k = x.shape
-    out = torch.empty(rows, module.weight.shape[0])
-    bias = module.bias
-    skinny_library().skinny_linear(x.data_ptr(), module.weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                   out.data_ptr(), rows, k, module.weight.shape[0], torch.get_num_threads())
-    return out
+    out = torch.empty(rows, weight.shape[0])
+    library = skinny_library()
+    function = library.skinny_linear if weight.dtype == torch.float32 else library.skinny_linear_bf16
+    bias = None if bias is None else bias.float()
+    function(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, k,
+             weight.shape[0], torch.get_num_threads())
+    return out.to(weight.dtype)
 
 
 FUNCTIONS = {"stock": _stock, "transposed": _transposed, "skinny": _skinny}
@@ -187,7 +199,7 @@ def skinny_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or x.dtype != torch.float32 or x.requires_grad:
+    if rows > MAX_ROWS or x.dtype != self.weight.dtype or x.requires_grad:
         return nn.functional.linear(x, self.weight, self.bias)
     form = self.row_forms[rows]
     if form == "stock":
@@ -213,7 +225,7 @@ def skinny_library() -> ctypes.CDLL | None:
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *_cflags(), str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
         if done.returncode != 0:
             LOG.warning("the skinny matmul kernel did not build: %s", done.stderr.strip().splitlines()[-1:])
             return None
@@ -223,12 +235,20 @@ def skinny_library() -> ctypes.CDLL | None:
     library.skinny_linear.restype = ctypes.c_int
     library.skinny_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
     library.skinny_linear_i8.restype = ctypes.c_int
+    library.skinny_linear_bf16.argtypes = library.skinny_linear.argtypes
+    library.skinny_linear_bf16.restype = ctypes.c_int
     return library
 
 
 @cache
 def _source_digest() -> str:
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(_cflags()).encode()).hexdigest()[:12]
+
+
+def _cflags() -> tuple[str, ...]:
+    """The build flags: AVX-512's 32 registers let 8 rows share each weight vector with 3 weight rows (AVX2's 16:
+    one), so the kernel is built for it where the CPU has it."""
+    return CFLAGS + (("-mavx512f",) if "avx512f" in _cpu_flags() else ())
 
 
 @cache

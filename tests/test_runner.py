@@ -116,8 +116,29 @@ def test_every_matmul_form_is_the_same_product(form):
     assert torch.allclose(got, reference, atol=1e-5)
 
 
-@pytest.mark.skipif("skinny" not in kernels.available_forms(), reason="no C compiler or no AVX2 here")
-def test_skinny_rows_do_not_depend_on_the_rows_beside_them():
+@pytest.fixture(params=["avx512f", "avx2"])
+def skinny_build(request, monkeypatch):
+    """The skinny kernel as built for AVX-512 (where this CPU has it) and for AVX2 alone (the build of a CPU
+    without AVX-512, made here by hiding the flag), so that both vector layers' tiles are checked."""
+    flags = kernels._cpu_flags()
+    if request.param not in flags:
+        pytest.skip(f"no {request.param} here")
+
+    def rebuild() -> None:
+        kernels.skinny_library.cache_clear()
+        kernels._source_digest.cache_clear()
+
+    if request.param == "avx2":
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags - {"avx512f"})
+    rebuild()
+    if kernels.skinny_library() is None:
+        pytest.skip("no C compiler here")
+    yield request.param
+    monkeypatch.undo()
+    rebuild()
+
+
+def test_skinny_rows_do_not_depend_on_the_rows_beside_them(skinny_build):
     """What makes a verify forward's rows equal plain steps' bit for bit: each row's product is summed in the
     same order whether it is computed alone or among 25 rows, odd widths (a K tail, a partial block) included.
     Every row count from 1 to 25 runs: each takes its own register tile, and past 12 the rows go in passes."""
@@ -139,8 +160,33 @@ def test_skinny_rows_do_not_depend_on_the_rows_beside_them():
                 torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif("skinny" not in kernels.available_forms(), reason="no C compiler or no AVX2 here")
-def test_skinny_int8_form_is_the_scaled_product_row_by_row():
+def test_skinny_bfloat16_form_is_the_widened_product_row_by_row(skinny_build):
+    """bf16 weights (a user's `--dtype bfloat16` on a CPU): each row is the fp32 product of the exactly widened
+    weights rounded to bf16 once (within half a bf16 step of the exact product), whatever rows share the call;
+    a bf16 model through the form matches transformers' forward."""
+    torch.manual_seed(1)
+    for n, k in [(200, 72), (37, 13)]:
+        linear = torch.nn.Linear(k, n).to(torch.bfloat16)
+        kernels.install(linear, forced="skinny")
+        x = torch.randn(25, k).to(torch.bfloat16)
+        with torch.no_grad():
+            together = linear(x)
+            exact = x.double() @ linear.weight.double().T + linear.bias.double()
+            assert together.dtype == torch.bfloat16
+            assert ((together.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-5).all()
+            for rows in range(1, 26):
+                assert torch.equal(linear(x[:rows]), together[:rows])
+    lm = tiny_model(seed=5)
+    lm.model.to(torch.bfloat16)
+    ids = torch.randint(0, 48, (9,))
+    with torch.no_grad():
+        reference = lm.model(ids[None]).logits[0]
+        assert kernels.install(lm.model, forced="skinny") == {"skinny": 4 * 7 + 1}
+        got = lm.model(ids[None]).logits[0]
+    assert torch.allclose(got.float(), reference.float(), atol=0.05)
+
+
+def test_skinny_int8_form_is_the_scaled_product_row_by_row(skinny_build):
     """Fractal's CPU int8 weights: scale[n] * (x . w_n) + bias[n] against a float64 reference, with the rows
     independent of each other as in the fp32 form (every row count 1-25, odd widths, both thread counts)."""
     generator = torch.Generator().manual_seed(1)

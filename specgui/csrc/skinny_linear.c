@@ -5,16 +5,19 @@
  * cost about what one row costs. BLAS libraries tuned for large products handle these skinny shapes as
  * separate matrix-vector products or with packing overheads, so their cost grows with every row. Here
  * each block of weight rows is read from memory once (then stays in L2) and up to 12 input rows are
- * multiplied against it in one pass, in register tiles of R weight rows x M input rows, 8 floats wide
- * (AVX2 + FMA), while the next tile's weight rows are prefetched. The tiles keep only accumulators and the
- * current weight vectors in registers and read the input rows again at every step, from L1: AVX2's 16
- * registers then hold 8-12 rows' accumulators instead of 4 rows' with their inputs. On an AMD EPYC (two
- * threads, every product of a SmolLM2-135M forward) 8 rows cost 26 ms against one row's 24 (35 ms when
- * rows went in passes of 4), 16 rows 43 ms (55).
+ * multiplied against it in one pass, in register tiles of R weight rows x M input rows, one vector wide
+ * (16 floats with AVX-512, 8 with AVX2 + FMA), while the next tile's weight rows are prefetched. The tiles
+ * keep only accumulators and the current weight vectors in registers and read the input rows again at every
+ * step, from L1. On an AMD EPYC (two threads, every product of a SmolLM2-135M forward, fp32) AVX2's 16
+ * registers allowed one weight row per tile from 7 rows on (an input load for every multiply-add): 8 rows
+ * cost 24 ms against one row's 15; AVX-512's 32 registers take 3 weight rows at 8 rows: 21.7 ms.
  *
- * Every output is summed in the same order whatever the number of rows or threads (8 lanes over k, then
+ * Every output is summed in the same order whatever the number of rows or threads (a vector's lanes over k, then
  * the lanes, then the tail), so a row's result does not depend on which other rows share the call: a
  * verify forward's rows equal plain steps' bit for bit through these products.
+ *
+ * bfloat16 weights (`skinny_linear_bf16`, a bf16 model on a CPU): widened exactly to fp32 by a shift, half of
+ * fp32's weight bytes streamed, the same tiles and summation order.
  *
  * int8 weights (`skinny_linear_i8`, Fractal's compressed copy on a CPU): the same tiles over int8 weight rows with one
  * float scale per row, widened to floats in registers; activations stay fp32 (no quantization of the inputs, as
@@ -25,68 +28,125 @@
  */
 #include <immintrin.h>
 
-#define BLOCK 24 /* every tile width (8, 4, 3, 2, 1) divides it */
-#define CHUNK 12 /* input rows per pass over a block: 12 accumulators, a weight and an input vector */
+#define BLOCK 24 /* every tile width (8, 6, 4, 3, 2, 1) divides it */
+#define CHUNK 12 /* input rows per pass over a block */
 
-static inline float hsum(__m256 v) {
+/* The sum of 8 floats' lanes, pairwise. */
+static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-/* 8 weights as floats: fp32 as they are, int8 widened (the row's scale is applied to the finished sum) */
-static inline __m256 load_f32(const float *w) { return _mm256_loadu_ps(w); }
-static inline __m256 load_i8(const signed char *w) {
+/* The vector layer: 16 floats in 32 registers where the compiler targets AVX-512 (kernels.py adds -mavx512f on
+   CPUs that have it), else 8 floats in 16 registers (AVX2). One build uses one of them for every call, so a
+   row's summation order is the same in every call on a machine. */
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define LANES 16
+#define vzero _mm512_setzero_ps
+#define vfma _mm512_fmadd_ps
+#define vload _mm512_loadu_ps
+static inline vec load_f32(const float *w) { return _mm512_loadu_ps(w); }
+static inline vec load_i8(const signed char *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+static inline vec load_bf16(const unsigned short *w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+}
+static inline float hsum(vec v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+#else
+typedef __m256 vec;
+#define LANES 8
+#define vzero _mm256_setzero_ps
+#define vfma _mm256_fmadd_ps
+#define vload _mm256_loadu_ps
+static inline vec load_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline vec load_i8(const signed char *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+static inline vec load_bf16(const unsigned short *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+}
+static inline float hsum(vec v) { return hsum8(v); }
+#endif
+
+/* One weight as a float (a row's tail past the last full vector) */
+static inline float one_load_f32(float w) { return w; }
+static inline float one_load_i8(signed char w) { return (float)w; }
+static inline float one_load_bf16(unsigned short w) {
+    union { unsigned int bits; float value; } u = {(unsigned int)w << 16};
+    return u.value;
 }
 
 /* One tile: R weight rows from w (row stride K, element type T) times M input rows from x (row stride K). The
-   input rows are read again at every step (12 rows of K floats at most: L1), which leaves the registers to
-   R x M accumulators. */
+   input rows are read again at every step (12 rows of K floats at most: L1 or L2), which leaves the registers to
+   R x M accumulators and R weight vectors. */
 #define TILE(T, LOAD, M, R)                                                                              \
     static void tile_##LOAD##_##M##_##R(const float *x, const T *w, float *y, long K, long N, long kv) { \
-        __m256 acc[R][M];                                                                                \
+        vec acc[R][M];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
-            for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();                                 \
-        for (long k = 0; k < kv; k += 8) {                                                               \
-            __m256 wv[R];                                                                                \
+            for (int m = 0; m < M; m++) acc[r][m] = vzero();                                             \
+        for (long k = 0; k < kv; k += LANES) {                                                           \
+            vec wv[R];                                                                                   \
             for (int r = 0; r < R; r++) {                                                                \
                 _mm_prefetch((const char *)(w + (r + R) * K + k + 64), _MM_HINT_T0);                       \
                 wv[r] = LOAD(w + r * K + k);                                                             \
             }                                                                                            \
             for (int m = 0; m < M; m++) {                                                                \
-                __m256 xv = _mm256_loadu_ps(x + m * K + k);                                              \
-                for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);           \
+                vec xv = vload(x + m * K + k);                                                           \
+                for (int r = 0; r < R; r++) acc[r][m] = vfma(wv[r], xv, acc[r][m]);                      \
             }                                                                                            \
         }                                                                                                \
         for (int r = 0; r < R; r++)                                                                      \
             for (int m = 0; m < M; m++) {                                                                \
                 float s = hsum(acc[r][m]);                                                               \
-                for (long k = kv; k < K; k++) s += x[m * K + k] * (float)w[r * K + k];                   \
+                for (long k = kv; k < K; k++) s += x[m * K + k] * one_##LOAD(w[r * K + k]);            \
                 y[m * N + r] = s;                                                                        \
             }                                                                                            \
     }
 
-/* R x M accumulators + R weight vectors + one input vector fit AVX2's 16 registers; per weight type, the wide
-   tiles by input rows (WIDE), the one-weight-row tiles for a block's leftover rows (NARROW) and their widths */
-#define KERNELS(T, LOAD)                                                                                         \
-    TILE(T, LOAD, 1, 8) TILE(T, LOAD, 1, 1) TILE(T, LOAD, 2, 4) TILE(T, LOAD, 2, 1) TILE(T, LOAD, 3, 3)          \
-    TILE(T, LOAD, 3, 1) TILE(T, LOAD, 4, 3) TILE(T, LOAD, 4, 1) TILE(T, LOAD, 5, 2) TILE(T, LOAD, 5, 1)          \
-    TILE(T, LOAD, 6, 2) TILE(T, LOAD, 6, 1) TILE(T, LOAD, 7, 1) TILE(T, LOAD, 8, 1) TILE(T, LOAD, 9, 1)          \
-    TILE(T, LOAD, 10, 1) TILE(T, LOAD, 11, 1) TILE(T, LOAD, 12, 1)                                               \
-    typedef void (*tile_##LOAD)(const float *, const T *, float *, long, long, long);                          \
+/* Per input-row count M (1..CHUNK), the widest tile whose R x M accumulators, R weight vectors and one input
+   vector fit the registers (R dividing BLOCK): WIDE_* names them, NARROW_* the one-weight-row tiles for a block's
+   leftover rows. AVX-512 has 32 registers: 8 rows x 3 weight rows take 28 of them, where AVX2's 16 allow 8 x 1,
+   which loads an input vector for every multiply-add. */
+#ifdef __AVX512F__
+#define WIDE_TILES(T, LOAD)                                                                                      \
+    TILE(T, LOAD, 1, 8) TILE(T, LOAD, 2, 8) TILE(T, LOAD, 3, 6) TILE(T, LOAD, 4, 6) TILE(T, LOAD, 5, 4)          \
+    TILE(T, LOAD, 6, 4) TILE(T, LOAD, 7, 3) TILE(T, LOAD, 8, 3) TILE(T, LOAD, 9, 3) TILE(T, LOAD, 10, 2)         \
+    TILE(T, LOAD, 11, 2) TILE(T, LOAD, 12, 2)                                                                    \
+    static const tile_##LOAD WIDE_##LOAD[CHUNK + 1] = {                                                          \
+        0, tile_##LOAD##_1_8, tile_##LOAD##_2_8, tile_##LOAD##_3_6, tile_##LOAD##_4_6, tile_##LOAD##_5_4,        \
+        tile_##LOAD##_6_4, tile_##LOAD##_7_3, tile_##LOAD##_8_3, tile_##LOAD##_9_3, tile_##LOAD##_10_2,         \
+        tile_##LOAD##_11_2, tile_##LOAD##_12_2};
+static const int WIDTH[CHUNK + 1] = {0, 8, 8, 6, 6, 4, 4, 3, 3, 3, 2, 2, 2};
+#else
+#define WIDE_TILES(T, LOAD)                                                                                      \
+    TILE(T, LOAD, 1, 8) TILE(T, LOAD, 2, 4) TILE(T, LOAD, 3, 3) TILE(T, LOAD, 4, 3) TILE(T, LOAD, 5, 2)          \
+    TILE(T, LOAD, 6, 2)                                                                                          \
     static const tile_##LOAD WIDE_##LOAD[CHUNK + 1] = {                                                          \
         0, tile_##LOAD##_1_8, tile_##LOAD##_2_4, tile_##LOAD##_3_3, tile_##LOAD##_4_3, tile_##LOAD##_5_2,        \
         tile_##LOAD##_6_2, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
-        tile_##LOAD##_11_1, tile_##LOAD##_12_1};                                                                 \
+        tile_##LOAD##_11_1, tile_##LOAD##_12_1};
+static const int WIDTH[CHUNK + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
+#endif
+
+#define KERNELS(T, LOAD)                                                                                         \
+    TILE(T, LOAD, 1, 1) TILE(T, LOAD, 2, 1) TILE(T, LOAD, 3, 1) TILE(T, LOAD, 4, 1) TILE(T, LOAD, 5, 1)          \
+    TILE(T, LOAD, 6, 1) TILE(T, LOAD, 7, 1) TILE(T, LOAD, 8, 1) TILE(T, LOAD, 9, 1) TILE(T, LOAD, 10, 1)         \
+    TILE(T, LOAD, 11, 1) TILE(T, LOAD, 12, 1)                                                                    \
+    typedef void (*tile_##LOAD)(const float *, const T *, float *, long, long, long);                          \
+    WIDE_TILES(T, LOAD)                                                                                          \
     static const tile_##LOAD NARROW_##LOAD[CHUNK + 1] = {                                                        \
         0, tile_##LOAD##_1_1, tile_##LOAD##_2_1, tile_##LOAD##_3_1, tile_##LOAD##_4_1, tile_##LOAD##_5_1,        \
         tile_##LOAD##_6_1, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
         tile_##LOAD##_11_1, tile_##LOAD##_12_1};                                                                 \
     /* Rows [n0, n1) of the output for all M input rows, in chunks of at most 12 input rows. */                 \
     static void block_##LOAD(const float *x, const T *w, float *y, long M, long K, long N, long n0, long n1) {  \
-        long kv = K - K % 8;                                                                                     \
+        long kv = K - K % LANES;                                                                                 \
         for (long m0 = 0; m0 < M; m0 += CHUNK) {                                                                 \
             int m = M - m0 < CHUNK ? (int)(M - m0) : CHUNK;                                                      \
             const float *xm = x + m0 * K;                                                                        \
@@ -97,9 +157,9 @@ static inline __m256 load_i8(const signed char *w) {
         }                                                                                                        \
     }
 
-static const int WIDTH[CHUNK + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
 KERNELS(float, load_f32)
 KERNELS(signed char, load_i8)
+KERNELS(unsigned short, load_bf16)
 
 /* Blocks of 24, 48 or 96 weight rows (every tile width divides them): the largest that still gives each thread
    four blocks, so that a 192-row projection splits evenly over two threads. */
@@ -118,29 +178,40 @@ static void finish(float *y, const float *scale, const float *bias, long M, long
         }
 }
 
-int skinny_linear(const float *x, const float *w, const float *bias, float *y, long M, long K, long N,
-                  int threads) {
+enum weights { F32, I8, BF16 };
+
+/* y = x w^T for M input rows, over blocks of weight rows spread across threads, then scales and bias. */
+static int run(enum weights type, const float *x, const void *w, const float *scale, const float *bias, float *y,
+               long M, long K, long N, int threads) {
     if (M < 1 || K < 1 || N < 1) return -1;
     long size = block_rows(N, threads), blocks = (N + size - 1) / size;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
         long n0 = b * size, n1 = n0 + size < N ? n0 + size : N;
-        block_load_f32(x, w, y, M, K, N, n0, n1);
-        finish(y, 0, bias, M, N, n0, n1);
+        if (type == I8)
+            block_load_i8(x, w, y, M, K, N, n0, n1);
+        else if (type == BF16)
+            block_load_bf16(x, w, y, M, K, N, n0, n1);
+        else
+            block_load_f32(x, w, y, M, K, N, n0, n1);
+        finish(y, scale, bias, M, N, n0, n1);
     }
     return 0;
+}
+
+int skinny_linear(const float *x, const float *w, const float *bias, float *y, long M, long K, long N, int threads) {
+    return run(F32, x, w, 0, bias, y, M, K, N, threads);
 }
 
 /* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) with int8 weights w. */
 int skinny_linear_i8(const float *x, const signed char *w, const float *scale, const float *bias, float *y, long M,
                      long K, long N, int threads) {
-    if (M < 1 || K < 1 || N < 1) return -1;
-    long size = block_rows(N, threads), blocks = (N + size - 1) / size;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        long n0 = b * size, n1 = n0 + size < N ? n0 + size : N;
-        block_load_i8(x, w, y, M, K, N, n0, n1);
-        finish(y, scale, bias, M, N, n0, n1);
-    }
-    return 0;
+    return run(I8, x, w, scale, bias, y, M, K, N, threads);
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with bfloat16 weights w (the upper half of an fp32, widened exactly by
+   a shift): half of fp32's weight bytes streamed, products and sums in fp32, the same summation order. */
+int skinny_linear_bf16(const float *x, const unsigned short *w, const float *bias, float *y, long M, long K, long N,
+                       int threads) {
+    return run(BF16, x, w, 0, bias, y, M, K, N, threads);
 }
