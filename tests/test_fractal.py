@@ -26,7 +26,7 @@ from specgui.methods.compress import (
     TorchInt8Linear,
     compressed_copy,
 )
-from specgui.methods.fractal import Splice, consistent_chain, fractal_positions, origins
+from specgui.methods.fractal import Fractal, Splice, consistent_chain, fractal_positions, origins, per_token_acceptance
 from specgui.runner import ATTN, MLP, Pass, Runner
 from specgui.sampling import GREEDY
 
@@ -58,6 +58,15 @@ def test_chain_keeps_slot_predictions_while_slots_hold_what_the_chain_predicts()
     assert consistent_chain(5, [5, 6, 0, 8], [6, 7, 8, 9]) == [6, 7]
     assert consistent_chain(5, [4, 6], [6, 7]) == []  # slot 0 guessed another token: nothing follows
     assert consistent_chain(5, [5, 6], [6, 7]) == [6, 7]
+
+
+def test_the_prior_is_the_papers_per_token_acceptance_at_its_own_layer_count():
+    """The paper's N + 0.74 accepted per verification was observed at N = 7 (6.74 of 7 drafts, the target's token
+    included): about 0.99 a token, which the chain's geometric sum gives back."""
+    p = Fractal.paper_acceptance
+    assert sum(p**i for i in range(1, 8)) == pytest.approx(6.74, abs=1e-6)
+    assert 0.98 < p < 1.0
+    assert per_token_acceptance(1.75, 2) == pytest.approx(0.5 * (-1 + 8**0.5), abs=1e-9)  # p + p^2 = 1.75
 
 
 def test_origin_is_the_fractal_layer_from_which_a_slot_guess_stopped_changing():
