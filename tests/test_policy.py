@@ -106,6 +106,21 @@ def test_no_probes_where_even_the_priors_acceptance_would_lose():
     assert "probe" in {policy.choose(lambda n: 12.0, 10.0).mode for _ in range(20)}  # cheaper: worth probing
 
 
+def test_swift_searches_only_where_a_draft_could_pay():
+    """SWIFT's proposals each cost a scoring forward: where no draft could pay even at the prior's acceptance
+    (a dear profile) none is scored; where drafts may pay (a cheap one) the search runs as before."""
+    lm = tiny_model(layers=8, init=0.3, seed=5)
+    search = {"context_window": 4, "opt_interval": 1, "persist": False, "skip_ratio": 0.45, "max_score": 1.0}
+    dear = profile([10.0 * (1 + 0.5 * i) for i in range(8)], layers=8, unit=0.0)
+    cheap = profile([10.0] * 8, layers=8, unit=1.2)
+    runs = {name: decode.run(lm, PROMPT, "swift", max_new_tokens=30, profile=prof, params=search)
+            for name, prof in (("dear", dear), ("cheap", cheap))}
+    scored = {name: sum("score" in s.payload["search"] for s in run.steps) for name, run in runs.items()}
+    assert all(s.payload["plan"]["mode"] == "paused" for s in runs["dear"].steps)
+    assert scored == {"dear": 0, "cheap": scored["cheap"]} and scored["cheap"] > 5
+    assert runs["dear"].token_ids == runs["cheap"].token_ids == baseline_run(lm, PROMPT, 30).token_ids
+
+
 def test_fixed_policy_always_drafts_the_largest_size():
     policy = DraftPolicy(range(1, 5), fixed=True)
     plan = policy.choose(lambda n: 1000.0, plain_ms=10.0, limit=3)

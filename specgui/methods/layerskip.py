@@ -134,6 +134,7 @@ class LayerSkipDrafter(Drafter):
         self.plan = SkipPlan()
         self.exit = self.make_exit()
         self.policy = self.sizing(state, range(1, self.params.max_draft + 1))
+        self.sizing_plan: Plan | None = None  # the policy's plan of the latest step
         self.chain: Chain | None = None
         return None
 
@@ -158,6 +159,7 @@ class LayerSkipDrafter(Drafter):
         depth = min(self.params.max_draft, state.max_depth)
         sizing = self.policy.choose(lambda k: k * token_ms + self.overhead_ms() + state.verify_ms(1 + self.rows(k)),
                                     state.plain_ms(), depth)
+        self.sizing_plan = sizing
         drafting = sizing.size > 0
         prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})
         self.chain = (draft_chain(state, self.plan, sizing.size, self.exit.value, self.alternatives)

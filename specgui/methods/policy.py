@@ -63,6 +63,12 @@ class Plan:
     prior: float | None = None  # paused: the best speedup at the prior's acceptance (below the margin: no probes)
     alpha: float = PRIOR_ALPHA  # the prior's per-token acceptance
 
+    @property
+    def hopeless(self) -> bool:
+        """Paused because even the prior's acceptance would lose: no probe comes, so work that serves only
+        drafting (a skip-set search) would be spent for nothing."""
+        return self.mode == "paused" and self.prior is not None and self.prior < 1
+
     def to_dict(self) -> dict[str, object]:
         prior = {} if self.prior is None else {"prior": round(self.prior, 3), "alpha": self.alpha}
         return {"size": self.size, "mode": self.mode, "predicted": round(self.predicted, 3),
