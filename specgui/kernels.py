@@ -171,7 +171,7 @@ def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _skinny(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias = module.weight, module.bias
-    x = x.contiguous() if weight.dtype == torch.float32 else x.float()  # bf16 rows widen exactly
+    x = x.float().contiguous()  # bf16 rows widen exactly; `float` keeps a view's strides, the kernel reads rows
     rows, k = x.shape
     out = torch.empty(rows, weight.shape[0])
     library = skinny_library()

@@ -176,6 +176,8 @@ def test_skinny_bfloat16_form_is_the_widened_product_row_by_row(skinny_build):
             assert ((together.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-5).all()
             for rows in range(1, 26):
                 assert torch.equal(linear(x[:rows]), together[:rows])
+            strided = x.t().contiguous().t()  # the same rows as a column-major view
+            assert torch.equal(linear(strided), together)
     lm = tiny_model(seed=5)
     lm.model.to(torch.bfloat16)
     ids = torch.randint(0, 48, (9,))
