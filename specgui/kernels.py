@@ -44,6 +44,7 @@ import shutil
 import subprocess
 import time
 import types
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -65,7 +66,7 @@ Shape = tuple[int, int, torch.dtype]  # a weight's (out, in) and dtype
 
 
 def install(model: nn.Module, cache_dir: Path | None = None, forced: str | None = None) -> dict[str, int]:
-    """Route every plain fp32 CPU `nn.Linear` of `model` through the form measured fastest on its weight shape,
+    """Route every plain fp32 or bf16 CPU `nn.Linear` of `model` through the form measured fastest on its weight shape,
     per row count up to MAX_ROWS (`forced`: one form for every row count, for tests and comparisons). Choices are
     read from / saved to `cache_dir` when given. Returns how many modules take each form at one row or more."""
     shapes: dict[Shape, list[nn.Linear]] = {}
@@ -170,31 +171,32 @@ def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _skinny(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight, bias = module.weight, module.bias
-    x = x.float().contiguous()  # bf16 rows widen exactly; `float` keeps a view's strides, the kernel reads rows
-    rows, k = x.shape
-    out = torch.empty(rows, weight.shape[0])
     library = skinny_library()
-    function = library.skinny_linear if weight.dtype == torch.float32 else library.skinny_linear_bf16
-    bias = None if bias is None else bias.float()
-    function(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, k,
-             weight.shape[0], torch.get_num_threads())
-    return out.to(weight.dtype)
+    function = library.skinny_linear if module.weight.dtype == torch.float32 else library.skinny_linear_bf16
+    return _call(function, x, module.weight, module.bias)
 
 
 FUNCTIONS = {"stock": _stock, "transposed": _transposed, "skinny": _skinny}
 
 
 def skinny_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ (weight * scale[:, None]).T + bias` for fp32 rows `x` [M, K] and int8 `weight` [N, K] with fp32 `scale`
-    [N], streaming the int8 weights (the skinny kernel's int8 form; call only where `skinny_library()` is not None)."""
-    x = x.contiguous()
-    rows, k = x.shape
-    out = torch.empty(rows, weight.shape[0])
-    skinny_library().skinny_linear_i8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-                                      None if bias is None else bias.data_ptr(), out.data_ptr(), rows, k,
-                                      weight.shape[0], torch.get_num_threads())
-    return out
+    """`x @ (weight * scale[:, None]).T + bias` for rows `x` [M, K] (fp32 or bf16) and int8 `weight` [N, K] with one
+    `scale` per row [N], streaming the int8 weights, in x's dtype (the skinny kernel's int8 form; call only where
+    `skinny_library()` is not None)."""
+    return _call(skinny_library().skinny_linear_i8, x, weight, scale, bias)
+
+
+def _call(function: Callable[..., int], x: torch.Tensor, weight: torch.Tensor,
+          *vectors: torch.Tensor | None) -> torch.Tensor:
+    """One skinny-library product over rows `x` [M, K] and `weight` [N, K], with its optional per-output vectors
+    (scale, bias: fp32, in the function's order); the result in x's dtype. bf16 rows widen exactly to an fp32
+    copy (`float` keeps a view's strides: the kernel reads rows, so the copy is made contiguous)."""
+    rows = x.float().contiguous()
+    vectors = tuple(None if v is None else v.float() for v in vectors)  # held until the call returns
+    out = torch.empty(rows.shape[0], weight.shape[0])
+    function(rows.data_ptr(), weight.data_ptr(), *(None if v is None else v.data_ptr() for v in vectors),
+             out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads())
+    return out.to(x.dtype)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

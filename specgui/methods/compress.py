@@ -121,9 +121,7 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if x.device.type == "cpu" and x.dtype in kernels.DTYPES and kernels.skinny_library() is not None:
-            bias = None if self.bias is None else self.bias.float()
-            out = kernels.skinny_int8(rows.float(), self.weight, self.scale.float(), bias)  # bf16 widens exactly
-            return out.to(x.dtype).view(*x.shape[:-1], -1)
+            return kernels.skinny_int8(rows, self.weight, self.scale, self.bias).view(*x.shape[:-1], -1)
         out = torch._weight_int8pack_mm(rows, self.weight, self.scale.to(x.dtype))
         if self.bias is not None:
             out = out + self.bias
