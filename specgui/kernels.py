@@ -118,6 +118,12 @@ def signature(model: nn.Module) -> str:
     return hashlib.sha1(json.dumps(tables).encode()).hexdigest()[:10]
 
 
+def build() -> str | None:
+    """The skinny library's build (a digest of its source and flags), None where it does not build: what was timed
+    through one build does not price another (a cost profile's key)."""
+    return _source_digest() if skinny_library() is not None else None
+
+
 def available_forms() -> tuple[str, ...]:
     """The forms this machine can run: stock and transposed always, skinny where its library builds."""
     return FORMS if skinny_library() is not None else FORMS[:2]
@@ -138,7 +144,8 @@ def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 3)
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            times = _medians_s({form: [(FUNCTIONS[form], m, x) for m in cycle] for form in offered}, repeats)
+            passes = {form: [(FUNCTIONS[form], m.weight, m.bias, x) for m in cycle] for form in offered}
+            times = _medians_s(passes, repeats)
             fastest = min(times, key=times.get)
             keep = "skinny" in times and times["skinny"] <= SKINNY_MARGIN * times[fastest]
             best.append("skinny" if keep else fastest)
@@ -161,19 +168,19 @@ def cpu_name() -> str:
 # -- the forms ---------------------------------------------------------------------------------------------------
 
 
-def _stock(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return nn.functional.linear(x, module.weight, module.bias)
+def _stock(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x, weight, bias)
 
 
-def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = (module.weight @ x.t()).t()
-    return out if module.bias is None else out + module.bias
+def _transposed(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    out = (weight @ x.t()).t()
+    return out if bias is None else out + bias
 
 
-def _skinny(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _skinny(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     library = skinny_library()
-    function = library.skinny_linear if module.weight.dtype == torch.float32 else library.skinny_linear_bf16
-    return _call(function, x, module.weight, module.bias)
+    return _call(library.skinny_linear if weight.dtype == torch.float32 else library.skinny_linear_bf16, x, weight,
+                 bias)
 
 
 FUNCTIONS = {"stock": _stock, "transposed": _transposed, "skinny": _skinny}
@@ -190,23 +197,23 @@ def _call(function: Callable[..., int], x: torch.Tensor, weight: torch.Tensor,
           *vectors: torch.Tensor | None) -> torch.Tensor:
     """One skinny-library product over rows `x` [M, K] and `weight` [N, K], with its optional per-output vectors
     (scale, bias: fp32, in the function's order); the result in x's dtype. bf16 rows widen exactly to an fp32
-    copy (`float` keeps a view's strides: the kernel reads rows, so the copy is made contiguous)."""
-    rows = x.float().contiguous()
-    vectors = tuple(None if v is None else v.float() for v in vectors)  # held until the call returns
+    copy (`float` keeps a view's strides: the kernel reads rows, so the copy is made contiguous). A forward makes
+    ~200 of these calls, so fp32 inputs skip every conversion (each torch call costs ~0.5-1 us, the C call ~1)."""
+    rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    held = [v if v is None or v.dtype == torch.float32 else v.float() for v in vectors]  # alive until the call returns
     out = torch.empty(rows.shape[0], weight.shape[0])
-    function(rows.data_ptr(), weight.data_ptr(), *(None if v is None else v.data_ptr() for v in vectors),
-             out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads())
-    return out.to(x.dtype)
+    function(rows.data_ptr(), weight.data_ptr(), *[v if v is None else v.data_ptr() for v in held], out.data_ptr(),
+             rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads())
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or x.dtype != self.weight.dtype or x.requires_grad:
-        return nn.functional.linear(x, self.weight, self.bias)
-    form = self.row_forms[rows]
-    if form == "stock":
-        return nn.functional.linear(x, self.weight, self.bias)
-    return FUNCTIONS[form](self, x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], self.weight.shape[0])
+    weight, bias, width = self.weight, self.bias, x.shape[-1]
+    rows = x.numel() // width
+    if rows > MAX_ROWS or x.dtype != weight.dtype or x.requires_grad or self.row_forms[rows] == "stock":
+        return nn.functional.linear(x, weight, bias)
+    out = FUNCTIONS[self.row_forms[rows]](weight, bias, x.reshape(rows, width))
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 # -- the skinny library -------------------------------------------------------------------------------------------
@@ -239,6 +246,12 @@ def skinny_library() -> ctypes.CDLL | None:
     library.skinny_linear_i8.restype = ctypes.c_int
     library.skinny_linear_bf16.argtypes = library.skinny_linear.argtypes
     library.skinny_linear_bf16.restype = ctypes.c_int
+    pointer, number, real = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    library.draft_layer_in.argtypes = [pointer, pointer, real] + [pointer] * 7 + [number] * 5 + [ctypes.c_int]
+    library.draft_layer_in.restype = ctypes.c_int
+    library.draft_layer_out.argtypes = ([pointer] * 4 + [number, number, pointer, real] + [pointer] * 4 + [real]
+                                        + [pointer] * 10 + [number] * 6 + [ctypes.c_int])
+    library.draft_layer_out.restype = ctypes.c_int
     return library
 
 
@@ -268,14 +281,14 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _medians_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each form's pass of (function, module, input) calls, after a warm-up pass; the
+    """Median seconds per call of each form's pass of (function, weight, bias, input) calls, after a warm-up pass; the
     forms take turns in every round, so a machine slowing down mid-way weighs on all of them alike."""
     samples: dict[str, list[float]] = {form: [] for form in passes}
     for round_ in range(repeats + 1):
         for form, calls in passes.items():
             start = time.perf_counter()
-            for function, module, x in calls:
-                function(module, x)
+            for function, weight, bias, x in calls:
+                function(weight, bias, x)
             if round_:
                 samples[form].append((time.perf_counter() - start) / len(calls))
     return {form: sorted(s)[repeats // 2] for form, s in samples.items()}

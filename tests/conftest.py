@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import tiny_model  # noqa: E402
-from specgui import loading  # noqa: E402
+from specgui import kernels, loading  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -93,3 +93,25 @@ def pytest_collection_modifyitems(items):
 def pytest_unconfigure(config):
     if _OWNER:
         shutil.rmtree(os.environ["SPECGUI_TEST_CACHE"], ignore_errors=True)  # the link only: the weights stay
+
+
+@pytest.fixture(params=["avx512f", "avx2"])
+def skinny_build(request, monkeypatch):
+    """The skinny kernel as built for AVX-512 (where this CPU has it) and for AVX2 alone (the build of a CPU
+    without AVX-512, made here by hiding the flag), so that both vector layers' tiles are checked."""
+    flags = kernels._cpu_flags()
+    if request.param not in flags:
+        pytest.skip(f"no {request.param} here")
+
+    def rebuild() -> None:
+        kernels.skinny_library.cache_clear()
+        kernels._source_digest.cache_clear()
+
+    if request.param == "avx2":
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags - {"avx512f"})
+    rebuild()
+    if kernels.skinny_library() is None:
+        pytest.skip("no C compiler here")
+    yield request.param
+    monkeypatch.undo()
+    rebuild()

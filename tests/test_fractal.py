@@ -182,6 +182,52 @@ def test_compressed_layer_computes_what_the_original_does(arch, attn):
                 h = want
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("window", ["growing", "frozen", "frozen with live keys past it", "scratch", "tree"])
+def test_fused_compressed_pass_computes_what_the_modules_do(skinny_build, arch, window):
+    """The int8 copy's layers as two skinny-library calls each (`_run_fused`) against the same copy's torch modules:
+    the pass's output and what it leaves in the cache, over every kind of cache window a Fractal pass uses (on the
+    AVX-512 and the AVX2 build)."""
+    lm = tiny_model(arch=arch, seed=3)
+    runner = lm.runner
+    comp, _ = compressed_copy(runner, "int8-weight-only")
+    assert comp.fused
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+
+    def run(fused: bool) -> tuple[torch.Tensor, KVCache, int]:
+        cache = KVCache()
+        runner.forward(ids[:8], torch.arange(8), cache)
+        if window == "frozen with live keys past it":
+            runner.forward(ids[8:10], torch.arange(8, 10), cache)
+        view = {"growing": cache, "scratch": FrozenView(cache, 6, scratch=True)}.get(window, FrozenView(cache, 8))
+        start = view.get_seq_length(0)
+        step = Pass(runner, torch.arange(start, start + 4), view, tree if window == "tree" else None)
+        comp.fused = fused
+        try:
+            out = comp.run(step, comp.embed(ids[8:].view(1, -1)), range(runner.num_layers))
+            return out, cache, max(cache.lengths[0], start + 4)  # the positions holding keys afterwards
+        finally:
+            comp.fused = True
+
+    with torch.inference_mode():
+        (got, got_cache, end), (want, want_cache, _) = run(True), run(False)
+    if window == "frozen with live keys past it":
+        end = 10  # the pass joined a copy of the window and its keys: nothing written into the cache
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert got_cache.lengths == want_cache.lengths
+    for layer in range(runner.num_layers):
+        for mine, theirs in ((got_cache.keys, want_cache.keys), (got_cache.values, want_cache.values)):
+            assert torch.allclose(mine[layer][..., :end, :], theirs[layer][..., :end, :], atol=1e-4), (layer, end)
+
+
+def test_layers_the_fused_pass_does_not_cover_run_as_modules():
+    """q/k norms (Qwen3) have no fused form: such a copy keeps torch's modules."""
+    if kernels.skinny_library() is None:
+        pytest.skip("no C compiler or no AVX2 here: the CPU int8 kernels are not built")
+    assert not compressed_copy(tiny_model(arch="qwen3").runner, "int8-weight-only")[0].fused
+
+
 def compressed_agreement(lm: LoadedModel, ids: list[int], backend: str) -> float:
     """Top-1 agreement of the compressed model with the full model, one position at a time."""
     runner = lm.runner

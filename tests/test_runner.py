@@ -116,28 +116,6 @@ def test_every_matmul_form_is_the_same_product(form):
     assert torch.allclose(got, reference, atol=1e-5)
 
 
-@pytest.fixture(params=["avx512f", "avx2"])
-def skinny_build(request, monkeypatch):
-    """The skinny kernel as built for AVX-512 (where this CPU has it) and for AVX2 alone (the build of a CPU
-    without AVX-512, made here by hiding the flag), so that both vector layers' tiles are checked."""
-    flags = kernels._cpu_flags()
-    if request.param not in flags:
-        pytest.skip(f"no {request.param} here")
-
-    def rebuild() -> None:
-        kernels.skinny_library.cache_clear()
-        kernels._source_digest.cache_clear()
-
-    if request.param == "avx2":
-        monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags - {"avx512f"})
-    rebuild()
-    if kernels.skinny_library() is None:
-        pytest.skip("no C compiler here")
-    yield request.param
-    monkeypatch.undo()
-    rebuild()
-
-
 def test_skinny_rows_do_not_depend_on_the_rows_beside_them(skinny_build):
     """What makes a verify forward's rows equal plain steps' bit for bit: each row's product is summed in the
     same order whether it is computed alone or among 25 rows, odd widths (a K tail, a partial block) included.

@@ -23,6 +23,9 @@
  * float scale per row, widened to floats in registers; activations stay fp32 (no quantization of the inputs, as
  * torch's dynamic int8 linear does). A quarter of fp32's weight bytes streamed, the same summation order.
  *
+ * Fractal's compressed decoder layer (`draft_layer_in`, `draft_layer_out`, at the end of this file) runs the int8 copy's
+ * layers on these products with the rest of each layer in C: see there.
+ *
  * Threads: OpenMP over weight-row blocks; loaded into a process where torch already holds libgomp, it
  * shares torch's thread pool.
  */
@@ -214,4 +217,112 @@ int skinny_linear_i8(const float *x, const signed char *w, const float *scale, c
 int skinny_linear_bf16(const float *x, const unsigned short *w, const float *bias, float *y, long M, long K, long N,
                        int threads) {
     return run(BF16, x, w, 0, bias, y, M, K, N, threads);
+}
+
+/* ---- Fractal's compressed decoder layer on a CPU, in two calls ------------------------------------------------
+ *
+ * Why: a compressed pass runs every decoder layer of the int8 copy over 3-5 rows. Its products take ~9 ms a pass on
+ * an AMD EPYC (two threads), but as torch modules the layer's ~25 small operations (norms, rotary, grouped
+ * attention, SiLU, residuals, each 3-50 us of dispatch for a few rows) took another ~11 ms, more than the products.
+ * Here a layer is two calls: `draft_layer_in` (norm, fused q/k/v product, rotary) and, after the caller has handed the
+ * new keys and values to its cache, `draft_layer_out` (attention over the cache, output product, residual, norm,
+ * gate/up product, SiLU, down product, residual). Only the draft reads these numbers (the full model verifies every
+ * token), so sums need not match torch's order; they match its formulas (Llama: RMSNorm, rotate-half rotary,
+ * softmax attention with grouped key/value heads, SiLU-gated MLP). */
+
+#include <math.h>
+
+/* y = x / sqrt(mean(x^2) + eps) * w over each of T rows of width H */
+static void rms_norm(const float *x, const float *w, float eps, float *y, long T, long H) {
+    for (long t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float sum = 0.0f;
+        for (long i = 0; i < H; i++) sum += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        for (long i = 0; i < H; i++) y[t * H + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* Rotate-half rotary on `heads` heads of width D in a row: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin */
+static void rotary(float *x, const float *cos_t, const float *sin_t, long heads, long D) {
+    long half = D / 2;
+    for (long h = 0; h < heads; h++) {
+        float *xh = x + h * D;
+        for (long i = 0; i < half; i++) {
+            float x1 = xh[i], x2 = xh[i + half];
+            xh[i] = x1 * cos_t[i] - x2 * sin_t[i];
+            xh[i + half] = x2 * cos_t[i + half] + x1 * sin_t[i + half];
+        }
+    }
+}
+
+static float dot(const float *a, const float *b, long n) {
+    long nv = n - n % LANES;
+    vec acc = vzero();
+    for (long i = 0; i < nv; i += LANES) acc = vfma(vload(a + i), vload(b + i), acc);
+    float s = hsum(acc);
+    for (long i = nv; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* qkv [T, (Hq + 2 Hkv) D] = rotary(norm(h) Wqkv^T): the caller hands qkv's key and value parts to its cache. */
+int draft_layer_in(const float *h, const float *norm_w, float eps, const signed char *qkv_w, const float *qkv_scale,
+                   const float *qkv_bias, const float *cos, const float *sin, float *normed, float *qkv, long T, long H,
+                   long Hq, long Hkv, long D, int threads) {
+    long width = (Hq + 2 * Hkv) * D;
+    rms_norm(h, norm_w, eps, normed, T, H);
+    if (run(I8, normed, qkv_w, qkv_scale, qkv_bias, qkv, T, H, width, threads)) return -1;
+    for (long t = 0; t < T; t++) rotary(qkv + t * width, cos + t * D, sin + t * D, Hq + Hkv, D);
+    return 0;
+}
+
+/* h += down(silu(gate) * up) of norm(h + o(attention)), in place. keys/values: [Hkv, cols, D] with `head_stride`
+   floats between heads (a cache buffer's layout); mask [T, cols] (nonzero: visible) or none (all visible). scores
+   [T Hq, cols], attn [T, Hq D], x [T, H], gate_up [T, 2 I] are scratch. */
+int draft_layer_out(float *h, const float *qkv, const float *keys, const float *values, long head_stride, long cols,
+                    const unsigned char *mask, float scaling, const signed char *o_w, const float *o_scale,
+                    const float *o_bias, const float *norm_w, float eps, const signed char *gu_w, const float *gu_scale,
+                    const float *gu_bias, const signed char *down_w, const float *down_scale, const float *down_bias,
+                    float *scores, float *attn, float *x, float *gate_up, long T, long H, long Hq, long Hkv, long D,
+                    long I, int threads) {
+    long width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long job = 0; job < T * Hq; job++) {
+        long t = job / Hq, head = job % Hq;
+        const float *q = qkv + t * width + head * D;
+        const float *k = keys + (head / group) * head_stride, *v = values + (head / group) * head_stride;
+        const unsigned char *visible = mask ? mask + t * cols : 0;
+        float *s = scores + job * cols, top = -INFINITY, total = 0.0f;
+        for (long c = 0; c < cols; c++) {
+            s[c] = (!visible || visible[c]) ? dot(q, k + c * D, D) * scaling : -INFINITY;
+            if (s[c] > top) top = s[c];
+        }
+        for (long c = 0; c < cols; c++) {
+            s[c] = s[c] == -INFINITY ? 0.0f : expf(s[c] - top);
+            total += s[c];
+        }
+        float *out = attn + t * Hq * D + head * D;
+        for (long d = 0; d < D; d++) out[d] = 0.0f;
+        for (long c = 0; c < cols; c++) {
+            if (s[c] == 0.0f) continue;
+            float p = s[c] / total;
+            const float *vc = v + c * D;
+            for (long d = 0; d < D; d++) out[d] += p * vc[d];
+        }
+    }
+    if (run(I8, attn, o_w, o_scale, o_bias, x, T, Hq * D, H, threads)) return -1;
+    for (long i = 0; i < T * H; i++) h[i] += x[i];
+    rms_norm(h, norm_w, eps, x, T, H);
+    if (run(I8, x, gu_w, gu_scale, gu_bias, gate_up, T, H, 2 * I, threads)) return -1;
+    for (long t = 0; t < T; t++) {
+        float *g = gate_up + t * 2 * I, *u = g + I;
+        for (long i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    /* the gated rows sit at gate_up[t, :I] with row stride 2 I: compact them to [T, I] in place (row t's
+       destination t I never passes its source 2 t I) */
+    for (long t = 1; t < T; t++)
+        for (long i = 0; i < I; i++) gate_up[t * I + i] = gate_up[t * 2 * I + i];
+    if (run(I8, gate_up, down_w, down_scale, down_bias, x, T, I, H, threads)) return -1;
+    for (long i = 0; i < T * H; i++) h[i] += x[i];
+    return 0;
 }
