@@ -60,13 +60,27 @@ def test_predictions_interpolate_and_price_skipped_sublayers():
     assert "forward ms by new tokens" in text and "x.lookup" in text and "plain step 12.00 ms" in text
 
 
+def test_a_forward_over_more_rows_is_never_priced_below_fewer():
+    """Medians taken while the machine slowed once put one row at 35.4 ms and two at 33.0: priced as measured, a
+    2-row verify came out cheaper than a plain step. Prices read the least-squares non-decreasing curve; the
+    measured medians stay as they were (what `profile` prints)."""
+    measured = [35.42, 33.0, 34.96, 39.5, 39.34, 40.36, 39.84, 48.28]
+    profile = costs.CostProfile(key=KEY, sizes=[1, 2, 3, 4, 5, 6, 8, 12], contexts=[128], forward=[list(measured)],
+                                step=33.93, attn=[1.0], mlp=[1.0], head=0.1)
+    fitted = [profile.forward_ms(n, 128) for n in profile.sizes]
+    assert fitted == pytest.approx([34.21, 34.21, 34.96, 39.42, 39.42, 40.1, 40.1, 48.28])
+    assert fitted == sorted(fitted) and profile.forward == [measured]
+    assert profile.verify_ms(2, 128) >= profile.plain_ms(128)
+    assert sum(fitted) == pytest.approx(sum(measured))  # pooled runs keep their means
+
+
 def test_a_noisy_profile_never_prices_a_step_at_zero():
     """A busy machine inflated the long-context reading and the step came out below the one-token forward:
     extrapolated down to a short prompt, a verify was once priced 0 ms and the draft policy divided by it."""
     profile = costs.CostProfile(key=KEY, sizes=[1, 4, 16], contexts=[128, 960], forward=[[3, 4, 3.5], [30, 31, 33]],
                                 step=1.0, attn=[1.0], mlp=[1.0], head=0.1)
     assert profile.forward_ms(1, 20) == profile.head  # extrapolated below zero: floored at the LM head
-    assert profile.forward_ms(32, 128) == 3.5  # never falling past the last size measured
+    assert profile.forward_ms(32, 128) == 3.75  # the dip 4 -> 3.5 pooled (3.75, 3.75); flat past the last size
     falling = dataclasses.replace(profile, forward=[[30, 31, 33], [3, 4, 3.5]])
     assert falling.forward_ms(1, 2000) == 3 and falling.forward_ms(1, 20) == 30  # nor past either context
     assert all(profile.verify_ms(n, ctx) >= profile.head for n in range(1, 40) for ctx in (0, 20, 500, 4000))
