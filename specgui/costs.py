@@ -16,7 +16,7 @@ plain step) and measured again when it no longer holds (another CPU sharing the 
 taken on a busy machine). It holds, as median milliseconds:
 
   forward[c][T]  a target forward of T new tokens (T = 1 ... 64) over a cached context of c tokens, at a
-                 short and a long context
+                 short and a long context (prices read each context's non-decreasing fit: `monotone_forward`)
   step           a whole plain decoding step (baseline: forward, verdict, bookkeeping) at the short context:
                  the unit speedups are counted in
   attn[l], mlp[l] each sub-layer over one token, from which a layer-skip draft forward's cost follows
