@@ -54,7 +54,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -276,6 +276,8 @@ class CompressedModel:
     backend: str
     build_ms: float
     fused: bool = False  # layers run as two calls of the skinny library each (`_run_fused`)
+    fused_shape: tuple[int, int, int, int] = field(init=False, default=(0, 0, 0, 0))  # heads, kv heads, dim, inner
+    fused_args: list[tuple[tuple, tuple]] = field(init=False, default_factory=list)  # per layer (`_fused_args`)
 
     def __post_init__(self) -> None:
         if self.fused:
