@@ -45,6 +45,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -94,19 +95,17 @@ class CostProfile:
         """A target forward of `rows` new tokens over `context` cached ones (interpolated, linear beyond). Never
         priced below the LM head, which every forward runs: a noisy profile (a long-context reading inflated
         by a busy machine) extrapolated down to a short prompt once priced a step at 0 ms."""
-        per_context = [_interpolate(self.sizes, costs, rows) for costs in self.monotone_forward()]
+        per_context = [_interpolate(self.sizes, costs, rows) for costs in self.monotone_forward]
         return max(self.head, _interpolate(self.contexts, per_context, context))
 
+    @cached_property  # `forward` is never changed after construction (`dataclasses.replace` builds anew)
     def monotone_forward(self) -> list[list[float]]:
         """`forward` as prices read it: per context, the closest curve (least squares) that never falls as rows grow
         (`_monotone`). A forward over more rows streams the same weights and adds arithmetic, so a dip is a noisy
         median; priced as measured, one (1 row 35.4 ms, 2 rows 33.0, in a profile taken while the machine slowed)
         made a 2-row verify 7% cheaper than a plain step, and Self-Draft and Lookahead drafted at any acceptance
         (multi-turn 0.98x against 1.18x predicted). The measured medians stay in `forward` (what `profile` prints)."""
-        key = tuple(map(tuple, self.forward))
-        if getattr(self, "_monotone_key", None) != key:
-            self._monotone_key, self._monotone = key, [_monotone(costs) for costs in self.forward]
-        return self._monotone
+        return [_monotone(costs) for costs in self.forward]
 
     @property
     def loop_ms(self) -> float:

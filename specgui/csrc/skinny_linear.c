@@ -314,14 +314,14 @@ int draft_layer_out(float *h, const float *qkv, const float *keys, const float *
     for (long i = 0; i < T * H; i++) h[i] += x[i];
     rms_norm(h, norm_w, eps, x, T, H);
     if (run(I8, x, gu_w, gu_scale, gu_bias, gate_up, T, H, 2 * I, threads)) return -1;
+    /* silu(gate) * up, row t written at gate_up[t I ...] ([T, I], the down product's input) from its gate at
+       [2 t I ...] and up at [2 t I + I ...]: a row's destination ends at (t + 1) I <= 2 t I, before its own
+       sources, and row 0 is rewritten element by element in place */
     for (long t = 0; t < T; t++) {
-        float *g = gate_up + t * 2 * I, *u = g + I;
-        for (long i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *act = gate_up + t * I;
+        for (long i = 0; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    /* the gated rows sit at gate_up[t, :I] with row stride 2 I: compact them to [T, I] in place (row t's
-       destination t I never passes its source 2 t I) */
-    for (long t = 1; t < T; t++)
-        for (long i = 0; i < I; i++) gate_up[t * I + i] = gate_up[t * 2 * I + i];
     if (run(I8, gate_up, down_w, down_scale, down_bias, x, T, I, H, threads)) return -1;
     for (long i = 0; i < T * H; i++) h[i] += x[i];
     return 0;

@@ -292,7 +292,7 @@ class CompressedModel:
 
     def run(self, step: Pass, h: torch.Tensor, layers: range) -> torch.Tensor:
         """Run the compressed copies of `layers` on hidden states [1, T, H] within pass `step`."""
-        if self.fused and type(step) is Pass and h.device.type == "cpu" and h.dtype == torch.float32:
+        if self.fused and type(step) is Pass:  # the fast path's passes keep the modules
             return _run_fused(self, step, h, layers)
         for layer in layers:
             for kind in (ATTN, MLP):
@@ -300,10 +300,10 @@ class CompressedModel:
         return h
 
 
-def fusable(layers: list[nn.Module]) -> bool:
-    """Whether `_run_fused` computes these layers: int8 weights through the skinny library on a CPU, fp32, Llama's
-    shape (no q/k norms, SiLU, query heads a multiple of the key/value heads)."""
-    if kernels.skinny_library() is None:
+def fusable(runner: Runner, layers: list[nn.Module]) -> bool:
+    """Whether `_run_fused` computes these copies of `runner`'s layers: an fp32 model on a CPU, int8 weights through
+    the skinny library, Llama's shape (no q/k norms, SiLU, query heads a multiple of the key/value heads)."""
+    if runner.device.type != "cpu" or runner.dtype != torch.float32 or kernels.skinny_library() is None:
         return False
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -499,7 +499,7 @@ def compress(runner: Runner, backend: str) -> CompressedModel:
                            embed=Int8Embedding(runner.embed.weight, runner.dtype), norm=runner.norm,
                            norm_device=execution_device(runner.norm), head_device=runner.head_device,
                            backend=backend, build_ms=(time.perf_counter() - start) * 1000,
-                           fused=runner.device.type == "cpu" and runner.dtype == torch.float32 and fusable(layers))
+                           fused=fusable(runner, layers))
 
 
 def _bnb_linear(bnb: Any, linear: nn.Linear) -> nn.Module:
