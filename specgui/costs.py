@@ -95,8 +95,8 @@ class CostProfile:
         """A target forward of `rows` new tokens over `context` cached ones (interpolated, linear beyond). Never
         priced below the LM head, which every forward runs: a noisy profile (a long-context reading inflated
         by a busy machine) extrapolated down to a short prompt once priced a step at 0 ms."""
-        per_context = [_interpolate(self.sizes, costs, rows) for costs in self.monotone_forward]
-        return max(self.head, _interpolate(self.contexts, per_context, context))
+        per_context = [interpolate(self.sizes, costs, rows) for costs in self.monotone_forward]
+        return max(self.head, interpolate(self.contexts, per_context, context))
 
     @cached_property  # `forward` is never changed after construction (`dataclasses.replace` builds anew)
     def monotone_forward(self) -> list[list[float]]:
@@ -208,7 +208,7 @@ def _monotone(ys: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+def interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys), continued linearly past both ends with a slope of at least zero: a
     cost never falls as rows or context grow, whatever two noisy readings say."""
     if len(xs) == 1:

@@ -58,6 +58,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes the forms are chosen f
 MAX_ROWS = 64
 PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # row counts timed (the cost profile's); others take the one below
 SKINNY_MARGIN = 1.1  # another form replaces skinny only when measured this much faster (`choose`)
+CHOICE_REPEATS = 7  # timings of each form per row count; the least counts (`choose`)
 STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # plus -mavx512f where the CPU has it (`_cflags`)
@@ -129,8 +130,10 @@ def available_forms() -> tuple[str, ...]:
     return FORMS if skinny_library() is not None else FORMS[:2]
 
 
-def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 3) -> list[str]:
-    """Per row count 0..MAX_ROWS, the fastest form on these modules' shape (median of `repeats`; index 0 unused).
+def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = CHOICE_REPEATS) -> list[str]:
+    """Per row count 0..MAX_ROWS, the fastest form on these modules' shape (the least of `repeats` timings: another
+    process's burst only ever adds time, and with medians of 3 the same shape took another form at 2, 3 or 4 rows
+    from one call to the next, one of them 4 ms a forward slower than skinny; index 0 unused).
 
     The skinny form, where offered, is kept unless another is faster by more than `SKINNY_MARGIN`: timings on a
     shared machine move by 10-20%, and a choice made in a noisy moment is saved for good. On an AMD EPYC, timed
@@ -145,7 +148,7 @@ def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = 3)
         for rows in PROBE_ROWS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             passes = {form: [(FUNCTIONS[form], m.weight, m.bias, x) for m in cycle] for form in offered}
-            times = _medians_s(passes, repeats)
+            times = _least_s(passes, repeats)
             fastest = min(times, key=times.get)
             keep = "skinny" in times and times["skinny"] <= SKINNY_MARGIN * times[fastest]
             best.append("skinny" if keep else fastest)
@@ -280,8 +283,8 @@ def _cpu_flags() -> frozenset[str]:
 # -- measuring and saving -------------------------------------------------------------------------------------------
 
 
-def _medians_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each form's pass of (function, weight, bias, input) calls, after a warm-up pass; the
+def _least_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]:
+    """Least seconds per call of each form's pass of (function, weight, bias, input) calls, after a warm-up pass; the
     forms take turns in every round, so a machine slowing down mid-way weighs on all of them alike."""
     samples: dict[str, list[float]] = {form: [] for form in passes}
     for round_ in range(repeats + 1):
@@ -291,11 +294,12 @@ def _medians_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]
                 function(weight, bias, x)
             if round_:
                 samples[form].append((time.perf_counter() - start) / len(calls))
-    return {form: sorted(s)[repeats // 2] for form, s in samples.items()}
+    return {form: min(s) for form, s in samples.items()}
 
 
 def _choice_path(cache_dir: Path) -> Path:
-    key = f"{cpu_name()} x{torch.get_num_threads()} torch {torch.__version__} {_source_digest()} margin {SKINNY_MARGIN}"
+    key = (f"{cpu_name()} x{torch.get_num_threads()} torch {torch.__version__} {_source_digest()}"
+           f" margin {SKINNY_MARGIN} least of {CHOICE_REPEATS}")
     return cache_dir / "kernels" / f"choices-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 

@@ -17,8 +17,9 @@ PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 # (a CLaSp search measured on a busy machine could cost more than the hand-made forward)
 # (either CPU int8 backend: which one "auto" builds is itself measured)
 MECHANISMS = {"pld.lookup": 0.002, "selfdraft.retrieve": 0.007, "clasp.search.layer.2": 2.4,
-              **{f"fractal.pass.{backend}.rows{rows}": ms for backend in ("torch-int8", "int8-weight-only")
-                 for rows, ms in ((3, 2.2), (5, 2.6))}}
+              **{f"fractal.pass.{backend}.rows{rows}.ctx{context}": ms + context / 1024
+                 for backend in ("torch-int8", "int8-weight-only") for rows, ms in ((3, 2.2), (5, 2.6))
+                 for context in (128, 512)}}
 
 
 def profile(forward: list[float], *, layers: int = 4, unit: float = 1.0, step_extra: float = 0.0) -> CostProfile:
@@ -49,7 +50,7 @@ def test_a_verdict_teaches_every_size_up_to_what_it_verified():
 
 
 def test_a_size_not_rechecked_lately_returns_towards_its_prior():
-    policy = DraftPolicy([1, 2, 3])
+    policy = DraftPolicy([1, 2, 3], regimes=1)  # one curve: the decay alone brings size 2 back
     policy.learn(path=[], verified=2, exhausted=False)  # one bad verdict of size 2 ...
     low = policy.expected(2)
     for _ in range(30):
@@ -57,6 +58,29 @@ def test_a_size_not_rechecked_lately_returns_towards_its_prior():
     assert policy.expected(1) == pytest.approx(1, abs=0.05)
     prior = sum(PRIOR_ALPHA ** i for i in (1, 2))
     assert policy.expected(2) > 2 * low and policy.expected(2) == pytest.approx(prior, abs=0.1)
+
+
+def test_each_regime_learns_its_own_curve_and_prices_the_step_after_it():
+    """Streaks: after a verdict that accepted 2 or more, drafts are accepted whole; after a rejection, not at all.
+    One curve would average them; a curve per regime drafts long in a streak and pauses after a miss."""
+    policy = DraftPolicy(range(1, 5))
+    for _ in range(30):
+        policy.learn(path=[0, 1, 2, 3], verified=4, exhausted=False)  # in a streak: everything accepted
+    for _ in range(30):
+        policy.learn(path=[], verified=4, exhausted=False)  # after a miss: nothing (the first miss is regime 2's)
+    assert policy.regime == 0 and policy.expected(4) == pytest.approx(0, abs=0.05)
+    assert policy.choose(lambda n: 10.0 + n, plain_ms=10.0).mode == "paused"
+    policy.learn(path=[0, 1], verified=4, exhausted=False)  # a regime-0 verdict accepting two: regime 2 next
+    assert policy.regime == 2 and policy.expected(4) > 3
+    plan = policy.choose(lambda n: 10.0 + n, plain_ms=10.0)
+    assert (plan.size, plan.mode, plan.to_dict()["regime"]) == (4, "draft", 2)
+    policy.learn(path=[], verified=0, exhausted=False)  # a step that drafted nothing: back to regime 0
+    assert policy.regime == 0
+    single = DraftPolicy(range(1, 5), regimes=1)
+    for _ in range(30):
+        single.learn(path=[0, 1, 2, 3], verified=4, exhausted=False)
+        single.learn(path=[], verified=4, exhausted=False)
+    assert 1 < single.expected(4) < 3  # one curve: the average of both
 
 
 def test_untried_sizes_are_capped_by_the_slope_below_them():

@@ -30,6 +30,7 @@
  * shares torch's thread pool.
  */
 #include <immintrin.h>
+#include <math.h>
 
 #define BLOCK 24 /* every tile width (8, 6, 4, 3, 2, 1) divides it */
 #define CHUNK 12 /* input rows per pass over a block */
@@ -61,6 +62,12 @@ static inline vec load_bf16(const unsigned short *w) {
 static inline float hsum(vec v) {
     return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
+#define MM(op) _mm512_##op
+#define vbits _mm512_castsi512_ps
+static inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vzero_at_minus_inf(vec y, vec x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), y);
+}
 #else
 typedef __m256 vec;
 #define LANES 8
@@ -75,7 +82,21 @@ static inline vec load_bf16(const unsigned short *w) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
 static inline float hsum(vec v) { return hsum8(v); }
+#define MM(op) _mm256_##op
+#define vbits _mm256_castsi256_ps
+static inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vzero_at_minus_inf(vec y, vec x) {
+    return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+}
 #endif
+#define vset1 MM(set1_ps)
+#define vstore MM(storeu_ps)
+#define vadd MM(add_ps)
+#define vmul MM(mul_ps)
+#define vmax MM(max_ps)
+static inline vec vpow2(vec n) { /* 2^n for whole n in [-126, 127], built as the float's exponent bits */
+    return vbits(MM(slli_epi32)(MM(add_epi32)(MM(cvtps_epi32)(n), MM(set1_epi32)(127)), 23));
+}
 
 /* One weight as a float (a row's tail past the last full vector) */
 static inline float one_load_f32(float w) { return w; }
@@ -147,11 +168,14 @@ static const int WIDTH[CHUNK + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
         0, tile_##LOAD##_1_1, tile_##LOAD##_2_1, tile_##LOAD##_3_1, tile_##LOAD##_4_1, tile_##LOAD##_5_1,        \
         tile_##LOAD##_6_1, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
         tile_##LOAD##_11_1, tile_##LOAD##_12_1};                                                                 \
-    /* Rows [n0, n1) of the output for all M input rows, in chunks of at most 12 input rows. */                 \
+    /* Rows [n0, n1) of the output for all M input rows, in the fewest passes of at most CHUNK input rows, as   \
+       even as they go: 13 rows as 7 + 6, not 12 + 1 (all the products of a forward, AMD EPYC, two threads: 35.8 ms\
+       as 12 + 1, 32.8 as 7 + 6, 31.5 for 12 rows). */                                                         \
     static void block_##LOAD(const float *x, const T *w, float *y, long M, long K, long N, long n0, long n1) {  \
         long kv = K - K % LANES;                                                                                 \
-        for (long m0 = 0; m0 < M; m0 += CHUNK) {                                                                 \
-            int m = M - m0 < CHUNK ? (int)(M - m0) : CHUNK;                                                      \
+        long passes = (M + CHUNK - 1) / CHUNK, chunk = (M + passes - 1) / passes;                                \
+        for (long m0 = 0; m0 < M; m0 += chunk) {                                                                 \
+            int m = M - m0 < chunk ? (int)(M - m0) : (int)chunk;                                                 \
             const float *xm = x + m0 * K;                                                                        \
             float *ym = y + m0 * N;                                                                              \
             long n = n0;                                                                                         \
@@ -230,7 +254,6 @@ int skinny_linear_bf16(const float *x, const unsigned short *w, const float *bia
  * token), so sums need not match torch's order; they match its formulas (Llama: RMSNorm, rotate-half rotary,
  * softmax attention with grouped key/value heads, SiLU-gated MLP). */
 
-#include <math.h>
 
 /* y = x / sqrt(mean(x^2) + eps) * w over each of T rows of width H */
 static void rms_norm(const float *x, const float *w, float eps, float *y, long T, long H) {
@@ -254,6 +277,24 @@ static void rotary(float *x, const float *cos_t, const float *sin_t, long heads,
             xh[i + half] = x2 * cos_t[i + half] + x1 * sin_t[i + half];
         }
     }
+}
+
+/* e^x for x <= 0, a vector at a time, 0 where x is -inf (a masked score): 2^n e^r with n = round(x / ln 2) and
+   |r| <= ln(2) / 2, e^r by Cephes' degree-6 polynomial (within ~2 ulp of expf). The softmax of a long cache spent
+   ~40% of its time in scalar expf: a 5-row pass over 1024 cached tokens 22.8 ms, 18.4 with no exp at all. */
+static inline vec vexp(vec x) {
+    vec clamped = vmax(x, vset1(-87.0f));
+    vec n = vround(vmul(clamped, vset1(1.44269504088896341f)));
+    vec r = vfma(n, vset1(-0.693359375f), clamped);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+    return vzero_at_minus_inf(vmul(p, vpow2(n)), x);
 }
 
 static float dot(const float *a, const float *b, long n) {
@@ -297,7 +338,15 @@ int draft_layer_out(float *h, const float *qkv, const float *keys, const float *
             s[c] = (!visible || visible[c]) ? dot(q, k + c * D, D) * scaling : -INFINITY;
             if (s[c] > top) top = s[c];
         }
-        for (long c = 0; c < cols; c++) {
+        long c = 0, cv = cols - cols % LANES;
+        vec sums = vzero(), shift = vset1(-top);
+        for (; c < cv; c += LANES) {
+            vec e = vexp(vadd(vload(s + c), shift));
+            vstore(s + c, e);
+            sums = vadd(sums, e);
+        }
+        total = hsum(sums);
+        for (; c < cols; c++) {
             s[c] = s[c] == -INFINITY ? 0.0f : expf(s[c] - top);
             total += s[c];
         }
