@@ -27,8 +27,8 @@ from specgui.methods.policy import REGIMES, DraftPolicy
 from specgui.prompts import load_prompts, select
 from specgui.sampling import GREEDY
 
-# One step's choice: (tokens found, tokens of them that will be accepted, context) -> tokens to draft.
-# Built fresh per prompt; told the verdict of each step through `learn` where it learns.
+# One step's choice: (tokens found, tokens of them that will be accepted, context) -> tokens to draft. Built fresh
+# per prompt; one that learns (`CostPolicy`) reads the step's verdict off the accepted count it is handed.
 Sizer = Callable[[list[int], int, int], int]
 
 
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     p = pld.params
     lookup_ms = profile.mechanisms.get("pld.lookup", 0.0)
-    table = compare(profile, outputs, (min(p.min_ngram, p.max_ngram), max(p.min_ngram, p.max_ngram)), p.num_draft,
-                    lookup_ms)
+    table = compare(profile, outputs, p.ngrams, p.num_draft, lookup_ms)
     categories = list(dict.fromkeys(o.category for o in outputs))
     print(f"pld on {lm.name}: {len(outputs)} prompts, {args.max_new_tokens} new tokens, priced by the cost profile "
           f"{profile.origin()}")

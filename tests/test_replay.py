@@ -28,8 +28,7 @@ def test_the_replayed_cost_policy_decides_and_prices_as_the_pld_run_did():
         sizes.append(policy(found, accepted, context))
         return sizes[-1]
 
-    _, replayed = replay.replay(profile, output, recording, (params.min_ngram, params.max_ngram), params.num_draft,
-                                0.002)
+    _, replayed = replay.replay(profile, output, recording, params.ngrams, params.num_draft, 0.002)
     assert sizes == [len(s.draft_tokens) for s in run.steps]
     assert replayed / 1000 == pytest.approx(run.summary.predicted_s)
 

@@ -58,6 +58,11 @@ class PldParams(SizedParams):
     min_ngram: int = param(low=1, high=8, help="shortest suffix n-gram to look up")
     num_draft: int = param(low=1, high=64, help="most tokens copied per draft (the cost model may copy fewer)")
 
+    @property
+    def ngrams(self) -> tuple[int, int]:
+        """The n-gram sizes looked up, (shortest, longest), whichever way round the two bounds were given."""
+        return min(self.min_ngram, self.max_ngram), max(self.min_ngram, self.max_ngram)
+
 
 @register
 class PromptLookup(Drafter):
@@ -67,12 +72,11 @@ class PromptLookup(Drafter):
     Params = PldParams
 
     def setup(self, state: DecodeState) -> None:
-        self.ngrams = sorted((self.params.min_ngram, self.params.max_ngram))
-        self.lookup_ms = (state.profile.mechanism("pld.lookup", lambda: _lookup_ms(*self.ngrams)) if state.profile
-                          else 0.0)
+        self.lookup_ms = (state.profile.mechanism("pld.lookup", lambda: _lookup_ms(*self.params.ngrams))
+                          if state.profile else 0.0)
 
     def begin(self, state: DecodeState) -> None:
-        self.index = NgramIndex(*self.ngrams)
+        self.index = NgramIndex(*self.params.ngrams)
         self.policy = self.sizing(state, range(1, self.params.num_draft + 1))
         self.drafted, self.exhausted = 0, False
 

@@ -38,6 +38,7 @@ count cut finer (3 and more), or the matched n-gram's length added, did no bette
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -134,32 +135,33 @@ class DraftPolicy:
     def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
         most the drafter can offer now (a lookup's length, the tokens left in the budget)."""
+        plan = functools.partial(Plan, regime=self.regime)  # every plan names the curve that priced it
         sizes = [n for n in self.sizes if limit is None or n <= limit]
         if not sizes:
-            return Plan(0, "paused", 1.0, 1.0, 0.0, regime=self.regime)
+            return plan(0, "paused", 1.0, 1.0, 0.0)
         curve, costs = self.curve(), {n: cost(n) for n in sizes}
         gains = {n: (1 + curve[n]) * plain_ms / costs[n] for n in sizes}
         if self.fixed:
-            return Plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), curve[sizes[-1]], regime=self.regime)
+            return plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), curve[sizes[-1]])
         best = max(gains, key=lambda n: (gains[n], -n))  # ties go to the smaller draft
         if gains[best] >= 1 + MARGIN or self.max_pause == 0:
             self.pause, self.probe = 1, False
-            return Plan(best, "draft", gains[best], gains[best], curve[best], regime=self.regime)
+            return plan(best, "draft", gains[best], gains[best], curve[best])
         prior = max((1 + _geometric(n, self.alpha)) * plain_ms / costs[n] for n in sizes)
         # a draft accepted as well as the prior hopes would not even break even: no probe. (Against the margin
         # instead, Fractal on a CPU, its prior 1.017x and its drafts then accepted 99-100%, never probed.)
         if prior < 1:
-            return Plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha, regime=self.regime)
+            return plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
         if self.left > 0:
             self.left -= 1
         elif self.probe:
             self.probe = False
-            return Plan(best, "probe", gains[best], gains[best], curve[best], regime=self.regime)
+            return plan(best, "probe", gains[best], gains[best], curve[best])
         else:
             self.left = self.pause - 1
             self.pause = min(2 * self.pause, self.max_pause)
             self.probe = True
-        return Plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha, regime=self.regime)
+        return plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
 
     def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
         """Fold one verdict into the curve of the regime it was drafted in, and move to the regime it leaves:
