@@ -8,6 +8,9 @@ every layer of every verify. On a CPU torch's kernel takes the grouping with a m
 numbers bit for bit, and on an AMD EPYC (one thread) a 2-row forward of the embedded model over a 1024-token
 context fell from 90-100 ms to 74-77 (one row: 65-74 ms), 4 rows from 93-112 to 82-85.
 
+On a CPU an fp32 Llama-shaped model's layers run in C up to `kernels.MAX_ROWS` rows (`specgui/cpu_layers.py`, with
+its own attention): what reaches this is a longer forward, a bf16 model or layers of other shapes.
+
 On a GPU a mask with `enable_gqa` may leave the fused kernels, which this machine cannot measure: there, and
 for anything this does not cover (one row, no mask, a position bias, a paged cache), transformers' own
 function runs, until a measurement says otherwise: `python -m specgui gpucheck` times both forms for a verify

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from specgui import __version__, fastpath
+from specgui import __version__, cpu_layers, fastpath
 from specgui.cachedir import cache_root, exclusive
 from specgui.kernels import build, cpu_name, signature
 from specgui.kvcache import KVCache
@@ -421,8 +421,9 @@ def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:
     shape = {k: config.get(k) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}
     return {"model": lm.name, "shape": shape, "device": device, "dtype": str(runner.dtype).removeprefix("torch."),
-            "fast_path": fast_path, "matmul": signature(lm.model), "kernel": build() if runner.device.type == "cpu"
-            else None, "torch": torch.__version__, "specgui": __version__}
+            "fast_path": fast_path, "matmul": signature(lm.model), "layers": cpu_layers.signature(lm.model),
+            "kernel": build() if runner.device.type == "cpu" else None, "torch": torch.__version__,
+            "specgui": __version__}
 
 
 def _path(lm: Any, key: dict[str, Any]) -> Path:

@@ -26,6 +26,8 @@ model's own modules of that shape in turn so that the weights come from memory a
 and routes each row count through the fastest. Larger products (a prefill) keep the stock kernel. The choice is saved
 per CPU, thread count and shape (`<cache>/kernels/`), so later loads read it instead of timing again.
 
+The model's decoder layers call the skinny form directly where they run in C (`specgui/cpu_layers.py`, fp32, up to
+MAX_ROWS rows); the choice here routes every other call (the LM head, a bf16 model, layers of other shapes).
 It is installed on the model's own `nn.Linear` modules, so everything that runs the model benefits alike,
 transformers' `generate` (and its prompt lookup) included: comparisons stay like for like.
 `python -m specgui bench --small-batch-matmul off` measures without it.
@@ -249,12 +251,12 @@ def skinny_library() -> ctypes.CDLL | None:
     library.skinny_linear_i8.restype = ctypes.c_int
     library.skinny_linear_bf16.argtypes = library.skinny_linear.argtypes
     library.skinny_linear_bf16.restype = ctypes.c_int
-    pointer, number, real = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    library.draft_layer_in.argtypes = [pointer, pointer, real] + [pointer] * 7 + [number] * 5 + [ctypes.c_int]
-    library.draft_layer_in.restype = ctypes.c_int
-    library.draft_layer_out.argtypes = ([pointer] * 4 + [number, number, pointer, real] + [pointer] * 4 + [real]
-                                        + [pointer] * 10 + [number] * 6 + [ctypes.c_int])
-    library.draft_layer_out.restype = ctypes.c_int
+    pointer, number, threads = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # a layer's plan: its address
+    for name, arguments in (("layer_attention_in", [pointer] * 5 + [number, threads]),
+                            ("layer_attention_out", [pointer] * 6 + [number, number, pointer, number, threads]),
+                            ("layer_mlp", [pointer] * 3 + [number, threads])):
+        getattr(library, name).argtypes = arguments
+        getattr(library, name).restype = ctypes.c_int
     return library
 
 

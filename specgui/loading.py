@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specgui import kernels
+from specgui import cpu_layers, kernels
 from specgui.cachedir import cache_root
 from specgui.errors import SpecGUIError
 from specgui.runner import Runner
@@ -161,6 +161,7 @@ def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
     model.eval()
     if spec.small_batch_matmul:
         kernels.install(model, cache_root())
+        cpu_layers.install(model)
     runner = Runner(model)
     return LoadedModel(
         spec=spec,

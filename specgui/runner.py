@@ -264,7 +264,11 @@ class Pass:
 
 def sublayer(block: nn.Module, kind: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
              mask: torch.Tensor | None, positions: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """One residual sub-layer of a pre-norm decoder layer: h + attn(norm(h)) or h + mlp(norm(h))."""
+    """One residual sub-layer of a pre-norm decoder layer: h + attn(norm(h)) or h + mlp(norm(h)); through the
+    layer's CPU plan where it has one that runs these rows (`specgui.cpu_layers`), else through its modules."""
+    plan = getattr(block, "cpu_plan", None)
+    if plan is not None and plan.runs(h, mask):
+        return plan.mlp(h) if kind == MLP else plan.attention(h, rope, mask, cache)
     if kind == MLP:
         return h + block.mlp(block.post_attention_layernorm(h))
     out = block.self_attn(hidden_states=block.input_layernorm(h), position_embeddings=rope, attention_mask=mask,

@@ -25,7 +25,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgui import costs, decode, methods
+from specgui import costs, cpu_layers, decode, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
@@ -59,11 +59,12 @@ ARCHS = {
 
 
 def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int = 0, arch: str = "llama",
-               init: float = 0.08, eos: int | None = None, attn: str = "sdpa") -> LoadedModel:
+               init: float = 0.08, eos: int | None = None, attn: str = "sdpa", cpu: bool = True) -> LoadedModel:
     """A random Llama-family model small enough to run thousands of steps in a test.
 
     `init` scales the random weights: larger values make the next-token distribution peakier, which
-    keeps greedy decisions away from numerical ties.
+    keeps greedy decisions away from numerical ties. `cpu`: its decoder layers run as C calls where they can
+    (`specgui.cpu_layers`, as a loaded model's do); else transformers' modules.
     """
     torch.manual_seed(seed)
     config_cls, model_cls = ARCHS[arch]
@@ -73,6 +74,8 @@ def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int 
                         eos_token_id=eos, bos_token_id=None, pad_token_id=None)
     model = model_cls(config).eval()
     model.set_attn_implementation(attn)
+    if cpu:
+        cpu_layers.install(model)
     runner = Runner(model)
     return LoadedModel(spec=ModelSpec(name=f"tiny-{arch}"), name=f"tiny-{arch}", model=model,
                        tokenizer=CharTokenizer(vocab, eos), runner=runner,

@@ -63,7 +63,7 @@ def test_grouped_on_switches_a_device_type_for_a_measurement_and_restores_it():
 
 
 def test_installed_for_every_model_so_transformers_generate_runs_it_too():
-    lm = tiny_model(seed=3)  # its runner installs it
+    lm = tiny_model(seed=3, cpu=False)  # its runner installs it (layers in C would not call attention at all)
     assert AttentionInterface._global_mapping["sdpa"] is attention.grouped
     calls = []
     original = attention.grouped

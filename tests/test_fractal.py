@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import CharTokenizer, assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import decode, kernels, methods
+from specgui import cpu_layers, decode, kernels, methods
 from specgui.errors import SpecGUIError
 from specgui.events import Prefill
 from specgui.kvcache import FrozenView, KVCache
@@ -185,9 +185,9 @@ def test_compressed_layer_computes_what_the_original_does(arch, attn):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("window", ["growing", "frozen", "frozen with live keys past it", "scratch", "tree"])
 def test_fused_compressed_pass_computes_what_the_modules_do(skinny_build, arch, window):
-    """The int8 copy's layers as two skinny-library calls each (`_run_fused`) against the same copy's torch modules:
-    the pass's output and what it leaves in the cache, over every kind of cache window a Fractal pass uses (on the
-    AVX-512 and the AVX2 build)."""
+    """The int8 copy's layers as C calls (`specgui.cpu_layers`, through each copy's plan) against the same copy's torch
+    modules: the pass's output and what it leaves in the cache, over every kind of cache window a Fractal pass uses
+    (on the AVX-512 and the AVX2 build)."""
     lm = tiny_model(arch=arch, seed=3)
     runner = lm.runner
     comp, _ = compressed_copy(runner, "int8-weight-only")
@@ -195,7 +195,7 @@ def test_fused_compressed_pass_computes_what_the_modules_do(skinny_build, arch, 
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
 
-    def run(fused: bool) -> tuple[torch.Tensor, KVCache, int]:
+    def run() -> tuple[torch.Tensor, KVCache, int]:
         cache = KVCache()
         runner.forward(ids[:8], torch.arange(8), cache)
         if window == "frozen with live keys past it":
@@ -203,15 +203,13 @@ def test_fused_compressed_pass_computes_what_the_modules_do(skinny_build, arch, 
         view = {"growing": cache, "scratch": FrozenView(cache, 6, scratch=True)}.get(window, FrozenView(cache, 8))
         start = view.get_seq_length(0)
         step = Pass(runner, torch.arange(start, start + 4), view, tree if window == "tree" else None)
-        comp.fused = fused
-        try:
-            out = comp.run(step, comp.embed(ids[8:].view(1, -1)), range(runner.num_layers))
-            return out, cache, max(cache.lengths[0], start + 4)  # the positions holding keys afterwards
-        finally:
-            comp.fused = True
+        out = comp.run(step, comp.embed(ids[8:].view(1, -1)), range(runner.num_layers))
+        return out, cache, max(cache.lengths[0], start + 4)  # the positions holding keys afterwards
 
     with torch.inference_mode():
-        (got, got_cache, end), (want, want_cache, _) = run(True), run(False)
+        got, got_cache, end = run()
+        with cpu_layers.suspended():
+            want, want_cache, _ = run()
     if window == "frozen with live keys past it":
         end = 10  # the pass joined a copy of the window and its keys: nothing written into the cache
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
@@ -222,7 +220,7 @@ def test_fused_compressed_pass_computes_what_the_modules_do(skinny_build, arch, 
 
 
 def test_layers_the_fused_pass_does_not_cover_run_as_modules():
-    """q/k norms (Qwen3) have no fused form: such a copy keeps torch's modules."""
+    """q/k norms (Qwen3) have no C form: such a copy keeps torch's modules."""
     if kernels.skinny_library() is None:
         pytest.skip("no C compiler or no AVX2 here: the CPU int8 kernels are not built")
     assert not compressed_copy(tiny_model(arch="qwen3").runner, "int8-weight-only")[0].fused

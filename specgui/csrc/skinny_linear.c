@@ -23,14 +23,15 @@
  * float scale per row, widened to floats in registers; activations stay fp32 (no quantization of the inputs, as
  * torch's dynamic int8 linear does). A quarter of fp32's weight bytes streamed, the same summation order.
  *
- * Fractal's compressed decoder layer (`draft_layer_in`, `draft_layer_out`, at the end of this file) runs the int8 copy's
- * layers on these products with the rest of each layer in C: see there.
+ * A whole decoder layer (`layer_attention_in`, `layer_attention_out`, `layer_mlp`, at the end of this file) runs on
+ * these products with the rest of the layer in C, over the target's fp32 weights or Fractal's int8 copy: see there.
  *
  * Threads: OpenMP over weight-row blocks; loaded into a process where torch already holds libgomp, it
  * shares torch's thread pool.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 
 #define BLOCK 24 /* every tile width (8, 6, 4, 3, 2, 1) divides it */
 #define CHUNK 12 /* input rows per pass over a block */
@@ -94,6 +95,9 @@ static inline vec vzero_at_minus_inf(vec y, vec x) {
 #define vadd MM(add_ps)
 #define vmul MM(mul_ps)
 #define vmax MM(max_ps)
+#define vmin MM(min_ps)
+#define vsub MM(sub_ps)
+#define vdiv MM(div_ps)
 static inline vec vpow2(vec n) { /* 2^n for whole n in [-126, 127], built as the float's exponent bits */
     return vbits(MM(slli_epi32)(MM(add_epi32)(MM(cvtps_epi32)(n), MM(set1_epi32)(127)), 23));
 }
@@ -106,11 +110,11 @@ static inline float one_load_bf16(unsigned short w) {
     return u.value;
 }
 
-/* One tile: R weight rows from w (row stride K, element type T) times M input rows from x (row stride K). The
-   input rows are read again at every step (12 rows of K floats at most: L1 or L2), which leaves the registers to
+/* One tile: R weight rows from w (row stride K, element type T) times M input rows from x (row stride K), into y
+   (row stride ldy: a product may fill some columns of a wider output). The input rows are read again at every step (12 rows of K floats at most: L1 or L2), which leaves the registers to
    R x M accumulators and R weight vectors. */
 #define TILE(T, LOAD, M, R)                                                                              \
-    static void tile_##LOAD##_##M##_##R(const float *x, const T *w, float *y, long K, long N, long kv) { \
+    static void tile_##LOAD##_##M##_##R(const float *x, const T *w, float *y, long K, long ldy, long kv) { \
         vec acc[R][M];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
             for (int m = 0; m < M; m++) acc[r][m] = vzero();                                             \
@@ -129,7 +133,7 @@ static inline float one_load_bf16(unsigned short w) {
             for (int m = 0; m < M; m++) {                                                                \
                 float s = hsum(acc[r][m]);                                                               \
                 for (long k = kv; k < K; k++) s += x[m * K + k] * one_##LOAD(w[r * K + k]);            \
-                y[m * N + r] = s;                                                                        \
+                y[m * ldy + r] = s;                                                                      \
             }                                                                                            \
     }
 
@@ -171,16 +175,16 @@ static const int WIDTH[CHUNK + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
     /* Rows [n0, n1) of the output for all M input rows, in the fewest passes of at most CHUNK input rows, as   \
        even as they go: 13 rows as 7 + 6, not 12 + 1 (all the products of a forward, AMD EPYC, two threads: 35.8 ms\
        as 12 + 1, 32.8 as 7 + 6, 31.5 for 12 rows). */                                                         \
-    static void block_##LOAD(const float *x, const T *w, float *y, long M, long K, long N, long n0, long n1) {  \
+    static void block_##LOAD(const float *x, const T *w, float *y, long M, long K, long ldy, long n0, long n1) {\
         long kv = K - K % LANES;                                                                                 \
         long passes = (M + CHUNK - 1) / CHUNK, chunk = (M + passes - 1) / passes;                                \
         for (long m0 = 0; m0 < M; m0 += chunk) {                                                                 \
             int m = M - m0 < chunk ? (int)(M - m0) : (int)chunk;                                                 \
             const float *xm = x + m0 * K;                                                                        \
-            float *ym = y + m0 * N;                                                                              \
+            float *ym = y + m0 * ldy;                                                                            \
             long n = n0;                                                                                         \
-            for (; n + WIDTH[m] <= n1; n += WIDTH[m]) WIDE_##LOAD[m](xm, w + n * K, ym + n, K, N, kv);          \
-            for (; n < n1; n++) NARROW_##LOAD[m](xm, w + n * K, ym + n, K, N, kv);                              \
+            for (; n + WIDTH[m] <= n1; n += WIDTH[m]) WIDE_##LOAD[m](xm, w + n * K, ym + n, K, ldy, kv);        \
+            for (; n < n1; n++) NARROW_##LOAD[m](xm, w + n * K, ym + n, K, ldy, kv);                            \
         }                                                                                                        \
     }
 
@@ -197,86 +201,102 @@ static long block_rows(long N, int threads) {
 }
 
 /* Each output row's scale (int8 weights; none for fp32), then its bias. */
-static void finish(float *y, const float *scale, const float *bias, long M, long N, long n0, long n1) {
+static void finish(float *y, const float *scale, const float *bias, long M, long ldy, long n0, long n1) {
     for (long m = 0; m < M; m++)
         for (long n = n0; n < n1; n++) {
-            if (scale) y[m * N + n] *= scale[n];
-            if (bias) y[m * N + n] += bias[n];
+            if (scale) y[m * ldy + n] *= scale[n];
+            if (bias) y[m * ldy + n] += bias[n];
         }
 }
 
 enum weights { F32, I8, BF16 };
 
-/* y = x w^T for M input rows, over blocks of weight rows spread across threads, then scales and bias. */
+/* y = x w^T for M input rows and N weight rows (y's rows ldy apart), over blocks of weight rows spread across
+   threads, then scales and bias. */
 static int run(enum weights type, const float *x, const void *w, const float *scale, const float *bias, float *y,
-               long M, long K, long N, int threads) {
+               long M, long K, long N, long ldy, int threads) {
     if (M < 1 || K < 1 || N < 1) return -1;
     long size = block_rows(N, threads), blocks = (N + size - 1) / size;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
         long n0 = b * size, n1 = n0 + size < N ? n0 + size : N;
         if (type == I8)
-            block_load_i8(x, w, y, M, K, N, n0, n1);
+            block_load_i8(x, w, y, M, K, ldy, n0, n1);
         else if (type == BF16)
-            block_load_bf16(x, w, y, M, K, N, n0, n1);
+            block_load_bf16(x, w, y, M, K, ldy, n0, n1);
         else
-            block_load_f32(x, w, y, M, K, N, n0, n1);
-        finish(y, scale, bias, M, N, n0, n1);
+            block_load_f32(x, w, y, M, K, ldy, n0, n1);
+        finish(y, scale, bias, M, ldy, n0, n1);
     }
     return 0;
 }
 
 int skinny_linear(const float *x, const float *w, const float *bias, float *y, long M, long K, long N, int threads) {
-    return run(F32, x, w, 0, bias, y, M, K, N, threads);
+    return run(F32, x, w, 0, bias, y, M, K, N, N, threads);
 }
 
 /* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) with int8 weights w. */
 int skinny_linear_i8(const float *x, const signed char *w, const float *scale, const float *bias, float *y, long M,
                      long K, long N, int threads) {
-    return run(I8, x, w, scale, bias, y, M, K, N, threads);
+    return run(I8, x, w, scale, bias, y, M, K, N, N, threads);
 }
 
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with bfloat16 weights w (the upper half of an fp32, widened exactly by
    a shift): half of fp32's weight bytes streamed, products and sums in fp32, the same summation order. */
 int skinny_linear_bf16(const float *x, const unsigned short *w, const float *bias, float *y, long M, long K, long N,
                        int threads) {
-    return run(BF16, x, w, 0, bias, y, M, K, N, threads);
+    return run(BF16, x, w, 0, bias, y, M, K, N, N, threads);
 }
 
-/* ---- Fractal's compressed decoder layer on a CPU, in two calls ------------------------------------------------
+/* ---- A decoder layer on a CPU, in three calls --------------------------------------------------------------
  *
- * Why: a compressed pass runs every decoder layer of the int8 copy over 3-5 rows. Its products take ~9 ms a pass on
- * an AMD EPYC (two threads), but as torch modules the layer's ~25 small operations (norms, rotary, grouped
- * attention, SiLU, residuals, each 3-50 us of dispatch for a few rows) took another ~11 ms, more than the products.
- * Here a layer is two calls: `draft_layer_in` (norm, fused q/k/v product, rotary) and, after the caller has handed the
- * new keys and values to its cache, `draft_layer_out` (attention over the cache, output product, residual, norm,
- * gate/up product, SiLU, down product, residual). Only the draft reads these numbers (the full model verifies every
- * token), so sums need not match torch's order; they match its formulas (Llama: RMSNorm, rotate-half rotary,
- * softmax attention with grouped key/value heads, SiLU-gated MLP). */
+ * Why: over a few rows the products of a decoder layer are most of the arithmetic, yet as torch modules the layer's
+ * ~25 small operations (norms, rotary, grouped attention, SiLU, residuals, each 3-50 us of dispatch) cost about a
+ * third of a forward of SmolLM2-135M on an AMD EPYC (two threads): ~11 ms of ~32 for one row, before any product.
+ * Here a pre-norm Llama layer is three calls, each a sub-layer or half of one:
+ *   layer_attention_in   norm, q/k/v products, rotary: the caller hands the new keys and values to its cache
+ *   layer_attention_out  attention over the cache, output product, residual
+ *   layer_mlp            norm, gate/up products, SiLU, down product, residual
+ * over weights of any of the products' types: the target model's own fp32 weights (specgui/cpu_layers.py installs it
+ * on the model's decoder layers) and Fractal's int8 copy. Formulas are transformers' Llama ones (RMSNorm,
+ * rotate-half rotary, softmax attention over grouped key/value heads, SiLU-gated MLP); sums are in this file's order.
+ *
+ * Every row's result depends only on its own input and the keys and values it sees, in column order: the products
+ * are row-independent (above), norms and rotary work a row at a time, and attention first lists the columns a row
+ * sees and then sums over that list, so a masked column changes nothing, not even which lane a later column lands
+ * in. A verify forward's rows therefore equal the plain steps that would have produced the same tokens, bit for
+ * bit, trees included: greedy speculative decoding reproduces plain decoding exactly. */
 
+struct linear { /* one product of a layer: y = (x w^T) * scale + bias over `out` weight rows */
+    int type; /* enum weights */
+    const void *w;
+    const float *scale; /* per weight row (int8), or none */
+    const float *bias;  /* or none */
+    long out;
+};
 
-/* y = x / sqrt(mean(x^2) + eps) * w over each of T rows of width H */
-static void rms_norm(const float *x, const float *w, float eps, float *y, long T, long H) {
-    for (long t = 0; t < T; t++) {
-        const float *xr = x + t * H;
-        float sum = 0.0f;
-        for (long i = 0; i < H; i++) sum += xr[i] * xr[i];
-        float inv = 1.0f / sqrtf(sum / (float)H + eps);
-        for (long i = 0; i < H; i++) y[t * H + i] = xr[i] * inv * w[i];
+struct layer {
+    const float *in_norm, *post_norm;
+    float in_eps, post_eps, scaling;
+    long hidden, heads, kv_heads, head_dim, inner;
+    struct linear q, k, v, o, gate, up, down;
+};
+
+/* Scratch memory per calling thread, grown as needed and kept: calls from different threads (two decodes side by
+   side) never share it; the OpenMP workers of one call only read and write through its pointers. */
+static __thread char *arena;
+static __thread size_t arena_bytes;
+static void *scratch(size_t bytes) {
+    if (bytes > arena_bytes) {
+        free(arena);
+        arena = malloc(bytes);
+        arena_bytes = arena ? bytes : 0;
     }
+    return arena;
 }
 
-/* Rotate-half rotary on `heads` heads of width D in a row: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin */
-static void rotary(float *x, const float *cos_t, const float *sin_t, long heads, long D) {
-    long half = D / 2;
-    for (long h = 0; h < heads; h++) {
-        float *xh = x + h * D;
-        for (long i = 0; i < half; i++) {
-            float x1 = xh[i], x2 = xh[i + half];
-            xh[i] = x1 * cos_t[i] - x2 * sin_t[i];
-            xh[i + half] = x2 * cos_t[i + half] + x1 * sin_t[i + half];
-        }
-    }
+static int apply(const struct linear *l, const float *x, float *y, long M, long K, long ldy, int threads) {
+    return run((enum weights)l->type, x, l->w, l->scale, l->bias, y, M, K, l->out, ldy, threads);
 }
 
 /* e^x for x <= 0, a vector at a time, 0 where x is -inf (a masked score): 2^n e^r with n = round(x / ln 2) and
@@ -306,72 +326,140 @@ static float dot(const float *a, const float *b, long n) {
     return s;
 }
 
-/* qkv [T, (Hq + 2 Hkv) D] = rotary(norm(h) Wqkv^T): the caller hands qkv's key and value parts to its cache. */
-int draft_layer_in(const float *h, const float *norm_w, float eps, const signed char *qkv_w, const float *qkv_scale,
-                   const float *qkv_bias, const float *cos, const float *sin, float *normed, float *qkv, long T, long H,
-                   long Hq, long Hkv, long D, int threads) {
-    long width = (Hq + 2 * Hkv) * D;
-    rms_norm(h, norm_w, eps, normed, T, H);
-    if (run(I8, normed, qkv_w, qkv_scale, qkv_bias, qkv, T, H, width, threads)) return -1;
-    for (long t = 0; t < T; t++) rotary(qkv + t * width, cos + t * D, sin + t * D, Hq + Hkv, D);
-    return 0;
-}
-
-/* h += down(silu(gate) * up) of norm(h + o(attention)), in place. keys/values: [Hkv, cols, D] with `head_stride`
-   floats between heads (a cache buffer's layout); mask [T, cols] (nonzero: visible) or none (all visible). scores
-   [T Hq, cols], attn [T, Hq D], x [T, H], gate_up [T, 2 I] are scratch. */
-int draft_layer_out(float *h, const float *qkv, const float *keys, const float *values, long head_stride, long cols,
-                    const unsigned char *mask, float scaling, const signed char *o_w, const float *o_scale,
-                    const float *o_bias, const float *norm_w, float eps, const signed char *gu_w, const float *gu_scale,
-                    const float *gu_bias, const signed char *down_w, const float *down_scale, const float *down_bias,
-                    float *scores, float *attn, float *x, float *gate_up, long T, long H, long Hq, long Hkv, long D,
-                    long I, int threads) {
-    long width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long job = 0; job < T * Hq; job++) {
-        long t = job / Hq, head = job % Hq;
-        const float *q = qkv + t * width + head * D;
-        const float *k = keys + (head / group) * head_stride, *v = values + (head / group) * head_stride;
-        const unsigned char *visible = mask ? mask + t * cols : 0;
-        float *s = scores + job * cols, top = -INFINITY, total = 0.0f;
-        for (long c = 0; c < cols; c++) {
-            s[c] = (!visible || visible[c]) ? dot(q, k + c * D, D) * scaling : -INFINITY;
-            if (s[c] > top) top = s[c];
+/* One row's attention for the G query heads that share a key/value head (q: G heads of D floats, out likewise),
+   over the n columns `list` names: each key and value is read once for all G heads (from L2 on a long cache, the
+   read is what costs). Each score is summed exactly as `dot` sums it, then softmax and the weighted sum of values
+   in list order: a head's result depends only on its query and the listed keys and values. s: G * n scratch. */
+static void attend(const float *q, const float *k, const float *v, const long *list, long n, long G, long D,
+                   float scaling, float *s, float *out) {
+    long dv = D - D % LANES;
+    for (long j = 0; j < n; j++) {
+        const float *kj = k + list[j] * D;
+        for (long g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            vec acc = vzero();
+            for (long d = 0; d < dv; d += LANES) acc = vfma(vload(qg + d), vload(kj + d), acc);
+            float sum = hsum(acc);
+            for (long d = dv; d < D; d++) sum += qg[d] * kj[d];
+            s[g * n + j] = sum * scaling;
         }
-        long c = 0, cv = cols - cols % LANES;
+    }
+    for (long g = 0; g < G; g++) {
+        float *sg = s + g * n, top = -INFINITY, total;
+        for (long j = 0; j < n; j++) top = sg[j] > top ? sg[j] : top;
+        long j = 0, nv = n - n % LANES;
         vec sums = vzero(), shift = vset1(-top);
-        for (; c < cv; c += LANES) {
-            vec e = vexp(vadd(vload(s + c), shift));
-            vstore(s + c, e);
+        for (; j < nv; j += LANES) {
+            vec e = vexp(vadd(vload(sg + j), shift));
+            vstore(sg + j, e);
             sums = vadd(sums, e);
         }
         total = hsum(sums);
-        for (; c < cols; c++) {
-            s[c] = s[c] == -INFINITY ? 0.0f : expf(s[c] - top);
-            total += s[c];
+        for (; j < n; j++) {
+            sg[j] = expf(sg[j] - top);
+            total += sg[j];
         }
-        float *out = attn + t * Hq * D + head * D;
-        for (long d = 0; d < D; d++) out[d] = 0.0f;
-        for (long c = 0; c < cols; c++) {
-            if (s[c] == 0.0f) continue;
-            float p = s[c] / total;
-            const float *vc = v + c * D;
-            for (long d = 0; d < D; d++) out[d] += p * vc[d];
+        for (j = 0; j < n; j++) sg[j] /= total;
+    }
+    for (long i = 0; i < G * D; i++) out[i] = 0.0f;
+    for (long j = 0; j < n; j++) {
+        const float *vj = v + list[j] * D;
+        for (long d = 0; d < dv; d += LANES) {
+            vec vd = vload(vj + d);
+            for (long g = 0; g < G; g++) vstore(out + g * D + d, vfma(vset1(s[g * n + j]), vd, vload(out + g * D + d)));
+        }
+        for (long d = dv; d < D; d++)
+            for (long g = 0; g < G; g++) out[g * D + d] += s[g * n + j] * vj[d];
+    }
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w over each of T rows of width H */
+static void rms_norm(const float *x, const float *w, float eps, float *y, long T, long H) {
+    for (long t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float inv = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
+        for (long i = 0; i < H; i++) y[t * H + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* Rotate-half rotary on `heads` heads of width D in a row: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin */
+static void rotary(float *x, const float *cos_t, const float *sin_t, long heads, long D) {
+    long half = D / 2;
+    for (long h = 0; h < heads; h++) {
+        float *xh = x + h * D;
+        for (long i = 0; i < half; i++) {
+            float x1 = xh[i], x2 = xh[i + half];
+            xh[i] = x1 * cos_t[i] - x2 * sin_t[i];
+            xh[i + half] = x2 * cos_t[i + half] + x1 * sin_t[i + half];
         }
     }
-    if (run(I8, attn, o_w, o_scale, o_bias, x, T, Hq * D, H, threads)) return -1;
-    for (long i = 0; i < T * H; i++) h[i] += x[i];
-    rms_norm(h, norm_w, eps, x, T, H);
-    if (run(I8, x, gu_w, gu_scale, gu_bias, gate_up, T, H, 2 * I, threads)) return -1;
+}
+
+/* qkv [T, (heads + 2 kv_heads) head_dim] = rotary(norm(h) [Wq; Wk; Wv]^T), rotary tables cos/sin [T, head_dim] */
+int layer_attention_in(const struct layer *L, const float *h, const float *cos, const float *sin, float *qkv, long T,
+                       int threads) {
+    long H = L->hidden, D = L->head_dim, width = (L->heads + 2 * L->kv_heads) * D;
+    float *normed = scratch(sizeof(float) * T * H);
+    if (!normed || T < 1) return -1;
+    rms_norm(h, L->in_norm, L->in_eps, normed, T, H);
+    if (apply(&L->q, normed, qkv, T, H, width, threads) || apply(&L->k, normed, qkv + L->heads * D, T, H, width, threads)
+        || apply(&L->v, normed, qkv + (L->heads + L->kv_heads) * D, T, H, width, threads))
+        return -1;
+    for (long t = 0; t < T; t++) rotary(qkv + t * width, cos + t * D, sin + t * D, L->heads + L->kv_heads, D);
+    return 0;
+}
+
+/* out = h + o(attention): keys/values [kv_heads, cols, head_dim] with `head_stride` floats between heads (a cache
+   buffer's layout); mask [T, cols] (nonzero: visible) or none (causal: row t sees columns up to cols - T + t).
+   out may be h. */
+int layer_attention_out(const struct layer *L, const float *h, float *out, const float *qkv, const float *keys,
+                        const float *values, long head_stride, long cols, const unsigned char *mask, long T,
+                        int threads) {
+    long H = L->hidden, Hq = L->heads, Hkv = L->kv_heads, D = L->head_dim, width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
+    char *base = scratch(sizeof(float) * (T * Hq * cols + T * Hq * D + T * H) + sizeof(long) * (T * cols + T));
+    if (!base || T < 1 || cols < 1) return -1;
+    float *scores = (float *)base, *attn = scores + T * Hq * cols, *x = attn + T * Hq * D;
+    long *seen = (long *)(x + T * H), *count = seen + T * cols;
+    for (long t = 0; t < T; t++) { /* the columns row t sees, in order */
+        long n = 0, *list = seen + t * cols;
+        for (long c = 0; c < cols; c++)
+            if (mask ? mask[t * cols + c] != 0 : c <= cols - T + t) list[n++] = c;
+        count[t] = n;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long job = 0; job < T * Hkv; job++) { /* one row, one key/value head and the query heads sharing it */
+        long t = job / Hkv, g = job % Hkv;
+        attend(qkv + t * width + g * group * D, keys + g * head_stride, values + g * head_stride, seen + t * cols,
+               count[t], group, D, L->scaling, scores + t * Hq * cols + g * group * cols, attn + t * Hq * D + g * group * D);
+    }
+    if (apply(&L->o, attn, x, T, Hq * D, H, threads)) return -1;
+    for (long i = 0; i < T * H; i++) out[i] = h[i] + x[i];
+    return 0;
+}
+
+/* out = h + down(silu(gate(norm(h))) * up(norm(h))); out may be h. */
+int layer_mlp(const struct layer *L, const float *h, float *out, long T, int threads) {
+    long H = L->hidden, I = L->inner;
+    float *x = scratch(sizeof(float) * (T * H + 2 * T * I)), *gate_up = x + T * H;
+    if (!x || T < 1) return -1;
+    rms_norm(h, L->post_norm, L->post_eps, x, T, H);
+    if (apply(&L->gate, x, gate_up, T, H, 2 * I, threads) || apply(&L->up, x, gate_up + I, T, H, 2 * I, threads))
+        return -1;
     /* silu(gate) * up, row t written at gate_up[t I ...] ([T, I], the down product's input) from its gate at
        [2 t I ...] and up at [2 t I + I ...]: a row's destination ends at (t + 1) I <= 2 t I, before its own
-       sources, and row 0 is rewritten element by element in place */
+       sources, and row 0 is rewritten a vector at a time in place. e^-g by `vexp`, its argument kept below
+       e^88's overflow (there silu(g) is g / 1e38: zero to float precision either way). */
     for (long t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *act = gate_up + t * I;
-        for (long i = 0; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        long i = 0, iv = I - I % LANES;
+        for (; i < iv; i += LANES) {
+            vec gv = vload(g + i), e = vexp(vmin(vsub(vzero(), gv), vset1(87.0f)));
+            vstore(act + i, vmul(vdiv(gv, vadd(vset1(1.0f), e)), vload(u + i)));
+        }
+        for (; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    if (run(I8, gate_up, down_w, down_scale, down_bias, x, T, I, H, threads)) return -1;
-    for (long i = 0; i < T * H; i++) h[i] += x[i];
+    if (apply(&L->down, gate_up, x, T, I, H, threads)) return -1;
+    for (long i = 0; i < T * H; i++) out[i] = h[i] + x[i];
     return 0;
 }

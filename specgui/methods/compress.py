@@ -30,12 +30,13 @@ prompts, the activations' quantization being what costs it; and Fractal on the h
 category, 64 tokens) ran 1.24x against 1.09x, accepting 100% of its drafts against 98%.
 
 On a CPU (fp32, int8-weight-only through the skinny library, Llama-shaped layers) a compressed pass does not go
-through these modules' ~25 torch operations a layer: each layer is two calls of the library (`_run_fused`; norm, q/k/v
-product and rotary; then attention over the cache, output product, norm, gate/up product, SiLU, down product and both
-residuals), with the new keys handed to the pass's cache in between by its own `update`. A pass over 5 rows at a
-128-token context took 20-21 ms through the modules, ~9 of them the int8 products, and 12.6-13.8 ms fused (AMD EPYC,
-two threads, 2026-11-25); Fractal on the held-out prompts went from 1.11-1.19x to 1.29x. Only drafts read these
-numbers; `tests/test_fractal.py` checks them against the modules' over every cache window a pass uses.
+through these modules' ~25 torch operations a layer: each copy carries a plan for `specgui.cpu_layers` (`_cpu_plan`),
+the same three C calls a layer as the target model's own layers (norm, q/k/v products and rotary; attention, output
+product and residual; norm, gate/up products, SiLU, down product and residual), over the int8 weights, with the new
+keys handed to the pass's cache in between by its own `update`. A pass over 5 rows at a 128-token context took
+20-21 ms through the modules, ~9 of them the int8 products, and 12.6-13.8 ms in C (AMD EPYC, two threads,
+2026-11-25); Fractal on the held-out prompts went from 1.11-1.19x to 1.29x. Only drafts read these numbers;
+`tests/test_fractal.py` checks them against the modules' over every cache window a pass uses.
 
 The final norm is shared with the model (a vector of `hidden` weights: nothing to compress or gain). The
 embedding is an int8 table with one scale per row: a lookup of a few rows costs nothing either way, but
@@ -54,7 +55,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgui import kernels
+from specgui import cpu_layers, kernels
 from specgui.errors import SpecGUIError
 from specgui.runner import ATTN, MLP, Pass, Runner, execution_device
 
@@ -275,15 +276,7 @@ class CompressedModel:
     head_device: torch.device
     backend: str
     build_ms: float
-    fused: bool = False  # layers run as two calls of the skinny library each (`_run_fused`)
-    fused_shape: tuple[int, int, int, int] = field(init=False, default=(0, 0, 0, 0))  # heads, kv heads, dim, inner
-    fused_args: list[tuple[tuple, tuple]] = field(init=False, default_factory=list)  # per layer (`_fused_args`)
-
-    def __post_init__(self) -> None:
-        if self.fused:
-            attn = self.layers[0].self_attn
-            self.fused_shape = (attn.heads, attn.kv_heads, attn.head_dim, self.layers[0].mlp.split)
-            self.fused_args = _fused_args(self.layers)
+    fused: bool = False  # every layer carries a CPU plan (`_cpu_plan`): its passes run in C where the plan runs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + compressed LM head over hidden states [..., H] -> float32 logits [..., V]."""
@@ -292,83 +285,30 @@ class CompressedModel:
 
     def run(self, step: Pass, h: torch.Tensor, layers: range) -> torch.Tensor:
         """Run the compressed copies of `layers` on hidden states [1, T, H] within pass `step`."""
-        if self.fused and type(step) is Pass:  # the fast path's passes keep the modules
-            return _run_fused(self, step, h, layers)
         for layer in layers:
             for kind in (ATTN, MLP):
                 h = step.run_unit(h, layer, kind, module=self.layers[layer])
         return h
 
 
-def fusable(runner: Runner, layers: list[nn.Module]) -> bool:
-    """Whether `_run_fused` computes these copies of `runner`'s layers: an fp32 model on a CPU, int8 weights through
-    the skinny library, Llama's shape (no q/k norms, SiLU, query heads a multiple of the key/value heads)."""
-    if runner.device.type != "cpu" or runner.dtype != torch.float32 or kernels.skinny_library() is None:
-        return False
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        int8 = all(type(m) is Int8WeightOnlyLinear and m.weight.device.type == "cpu" and m.scale.dtype == torch.float32
-                   for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        llama = (attn.q_norm is None and type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
-                 and attn.heads % attn.kv_heads == 0 and attn.head_dim % 2 == 0)
-        if not (int8 and llama):
-            return False
-    return True
-
-
-def _run_fused(model: CompressedModel, step: Pass, h: torch.Tensor, indices: range) -> torch.Tensor:
-    """`CompressedModel.run` as two skinny-library calls a layer (`draft_layer_in`, `draft_layer_out` in
-    specgui/csrc/skinny_linear.c: a compressed pass over a few rows cost as much in torch's per-operation dispatch as
-    in its products). Between them the new keys and values go to the pass's cache through its own `update`, so a
-    view, a frozen window or a growing cache behaves exactly as under the modules."""
-    if not len(indices):
-        return h
-    library, threads = kernels.skinny_library(), torch.get_num_threads()
-    heads, kv_heads, dim, inner = model.fused_shape
-    rows, hidden = h.shape[1], h.shape[2]
-    x = h[0].contiguous().clone()  # the residual stream [T, H], updated in place
-    cos, sin = (e[0].float().contiguous() for e in step.rope(h.device))
-    normed, scratch = torch.empty(rows, hidden), torch.empty(rows, hidden)
-    qkv = torch.empty(rows, (heads + 2 * kv_heads) * dim)
-    split = qkv.view(rows, heads + 2 * kv_heads, dim).transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
-    new_keys, new_values = split[:, heads : heads + kv_heads], split[:, heads + kv_heads :]
-    attended, gate_up = torch.empty(rows, heads * dim), torch.empty(rows, 2 * inner)
-    sizes = (rows, hidden, heads, kv_heads, dim)
-    for layer in indices:
-        into, out_of = model.fused_args[layer]
-        if library.draft_layer_in(x.data_ptr(), *into, cos.data_ptr(), sin.data_ptr(), normed.data_ptr(),
-                                  qkv.data_ptr(), *sizes, threads):
-            raise SpecGUIError("the fused compressed layer refused its shapes")
-        mask = step.mask(layer, h.device)  # laid out by the cache's lengths before this pass's keys join it
-        keys, values = step.cache.update(new_keys, new_values, layer)
-        keys, values = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (keys, values))
-        columns = keys.shape[-2]
-        visible = None
-        if mask is not None:
-            visible = (mask if mask.dtype == torch.bool else mask == 0).reshape(rows, columns).contiguous()
-        scores = torch.empty(rows * heads, columns)
-        if library.draft_layer_out(x.data_ptr(), qkv.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1),
-                                   columns, None if visible is None else visible.data_ptr(), *out_of,
-                                   scores.data_ptr(), attended.data_ptr(), scratch.data_ptr(), gate_up.data_ptr(),
-                                   *sizes, inner, threads):
-            raise SpecGUIError("the fused compressed layer refused its shapes")
-    return x.view(1, rows, hidden)
-
-
-def _fused_args(layers: list[nn.Module]) -> list[tuple[tuple, tuple]]:
-    """Per layer, the fixed arguments of its two fused calls (weights, scales, biases, norms), read once: the copy's
-    tensors are its own and never move."""
-    def vectors(linear: Int8WeightOnlyLinear) -> tuple[int, int, int | None]:
-        return (linear.weight.data_ptr(), linear.scale.data_ptr(),
-                None if linear.bias is None else linear.bias.data_ptr())
-
-    args = []
-    for layer in layers:
-        attn, mlp, before, after = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        args.append(((before.weight.data_ptr(), before.eps, *vectors(attn.qkv_proj)),
-                     (attn.scaling, *vectors(attn.o_proj), after.weight.data_ptr(), after.eps,
-                      *vectors(mlp.gate_up_proj), *vectors(mlp.down_proj))))
-    return args
+def _cpu_plan(runner: Runner, copy: CompressedLayer) -> cpu_layers.Plan | None:
+    """The plan `specgui.cpu_layers` runs a copy by: an fp32 model on a CPU, int8 weights through the skinny library,
+    Llama's shape (no q/k norms, SiLU, query heads a multiple of the key/value heads); else None (its modules run)."""
+    attn, mlp = copy.self_attn, copy.mlp
+    int8 = all(type(m) is Int8WeightOnlyLinear and m.weight.device.type == "cpu" and m.scale.dtype == torch.float32
+               for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    llama = (attn.q_norm is None and type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
+             and attn.heads % attn.kv_heads == 0 and attn.head_dim % 2 == 0)
+    if (runner.device.type != "cpu" or runner.dtype != torch.float32 or kernels.skinny_library() is None
+            or not (int8 and llama)):
+        return None
+    q, kv, inner = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, mlp.split
+    qkv, gate_up = partial(cpu_layers.Product.of, attn.qkv_proj), partial(cpu_layers.Product.of, mlp.gate_up_proj)
+    products = {"q": qkv(0, q), "k": qkv(q, kv), "v": qkv(q + kv, kv), "o": cpu_layers.Product.of(attn.o_proj),
+                "gate": gate_up(0, inner), "up": gate_up(inner, inner), "down": cpu_layers.Product.of(mlp.down_proj)}
+    shape = (copy.input_layernorm.weight.shape[0], attn.heads, attn.kv_heads, attn.head_dim, inner)
+    return cpu_layers.Plan(attn.layer_idx, (copy.input_layernorm, copy.post_attention_layernorm), attn.scaling, shape,
+                           products)
 
 
 _COPIES: weakref.WeakKeyDictionary[Runner, dict[str, CompressedModel]] = weakref.WeakKeyDictionary()
@@ -495,11 +435,15 @@ def compress(runner: Runner, backend: str) -> CompressedModel:
         layers = [CompressedLayer(layer, make, capturable=not backend.startswith("bnb-")) for layer in runner.layers]
     except AttributeError as exc:
         raise SpecGUIError(f"Fractal cannot compress {type(runner.layers[0]).__name__}: {exc}") from None
+    plans = [_cpu_plan(runner, copy) for copy in layers]
+    if all(plans):
+        for copy, plan in zip(layers, plans):
+            copy.cpu_plan = plan
     return CompressedModel(layers=layers, lm_head=make(runner.lm_head),
                            embed=Int8Embedding(runner.embed.weight, runner.dtype), norm=runner.norm,
                            norm_device=execution_device(runner.norm), head_device=runner.head_device,
                            backend=backend, build_ms=(time.perf_counter() - start) * 1000,
-                           fused=fusable(runner, layers))
+                           fused=all(plans))
 
 
 def _bnb_linear(bnb: Any, linear: nn.Linear) -> nn.Module:
