@@ -6,11 +6,14 @@
  * separate matrix-vector products or with packing overheads, so their cost grows with every row. Here
  * each block of weight rows is read from memory once (then stays in L2) and up to 12 input rows are
  * multiplied against it in one pass, in register tiles of R weight rows x M input rows, one vector wide
- * (16 floats with AVX-512, 8 with AVX2 + FMA), while the next tile's weight rows are prefetched. The tiles
- * keep only accumulators and the current weight vectors in registers and read the input rows again at every
- * step, from L1. On an AMD EPYC (two threads, every product of a SmolLM2-135M forward, fp32) AVX2's 16
- * registers allowed one weight row per tile from 7 rows on (an input load for every multiply-add): 8 rows
- * cost 24 ms against one row's 15; AVX-512's 32 registers take 3 weight rows at 8 rows: 21.7 ms.
+ * (16 floats with AVX-512, 8 with AVX2 + FMA), while the weight rows two tiles ahead are prefetched into L2. The
+ * tiles keep only accumulators and the current weight vectors in registers and read the input rows again at every
+ * step, from L1. Prefetching into L2 two tiles ahead instead of into L1 one tile ahead (AMD EPYC, two threads,
+ * all products of a forward, least of 10): 1 row 21.6 -> 19.8 ms, 4 rows 24.0 -> 20-22, 8 rows 26.6 -> 20-26;
+ * whole forwards at a 128-token context, two builds alternating in one process: 8 rows 1.13x one row where
+ * prefetching into L1 from 7 rows on gave 1.48x. Before AVX-512 (same machine, every
+ * product of a SmolLM2-135M forward, fp32) AVX2's 16 registers allowed one weight row per tile from 7 rows on (an
+ * input load for every multiply-add): 8 rows cost 24 ms against one row's 15; AVX-512's 32 registers take 3 weight rows at 8 rows: 21.7 ms.
  *
  * Every output is summed in the same order whatever the number of rows or threads (a vector's lanes over k, then
  * the lanes, then the tail), so a row's result does not depend on which other rows share the call: a
@@ -121,7 +124,7 @@ static inline float one_load_bf16(unsigned short w) {
         for (long k = 0; k < kv; k += LANES) {                                                           \
             vec wv[R];                                                                                   \
             for (int r = 0; r < R; r++) {                                                                \
-                _mm_prefetch((const char *)(w + (r + R) * K + k + 64), _MM_HINT_T0);                       \
+                _mm_prefetch((const char *)(w + (r + 2 * R) * K + k), _MM_HINT_T1);                       \
                 wv[r] = LOAD(w + r * K + k);                                                             \
             }                                                                                            \
             for (int m = 0; m < M; m++) {                                                                \
@@ -326,51 +329,72 @@ static float dot(const float *a, const float *b, long n) {
     return s;
 }
 
-/* One row's attention for the G query heads that share a key/value head (q: G heads of D floats, out likewise),
-   over the n columns `list` names: each key and value is read once for all G heads (from L2 on a long cache, the
-   read is what costs). Each score is summed exactly as `dot` sums it, then softmax and the weighted sum of values
-   in list order: a head's result depends only on its query and the listed keys and values. s: G * n scratch. */
-static void attend(const float *q, const float *k, const float *v, const long *list, long n, long G, long D,
-                   float scaling, float *s, float *out) {
-    long dv = D - D % LANES;
-    for (long j = 0; j < n; j++) {
-        const float *kj = k + list[j] * D;
+/* In place: s[0..n) -> softmax(s), a vector at a time (max and division are exact in any order) */
+static void softmax(float *s, long n) {
+    long j = 0, nv = n - n % LANES;
+    float top = -INFINITY, total, lanes[LANES];
+    vec tops = vset1(-INFINITY);
+    for (; j < nv; j += LANES) tops = vmax(tops, vload(s + j));
+    vstore(lanes, tops);
+    for (int l = 0; l < LANES; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    vec sums = vzero(), shift = vset1(-top);
+    for (j = 0; j < nv; j += LANES) {
+        vec e = vexp(vadd(vload(s + j), shift));
+        vstore(s + j, e);
+        sums = vadd(sums, e);
+    }
+    total = hsum(sums);
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - top);
+        total += s[j];
+    }
+    vec totals = vset1(total);
+    for (j = 0; j < nv; j += LANES) vstore(s + j, vdiv(vload(s + j), totals));
+    for (; j < n; j++) s[j] /= total;
+}
+
+/* o[D] += p v[D] */
+static inline void add_scaled(float *o, float p, const float *v, long D) {
+    long d = 0, dv = D - D % LANES;
+    vec pv = vset1(p);
+    for (; d < dv; d += LANES) vstore(o + d, vfma(pv, vload(v + d), vload(o + d)));
+    for (; d < D; d++) o[d] += p * v[d];
+}
+
+/* Attention of rows [t0, t1) for the G query heads that share key/value head `kv` (keys k, values v of that head,
+   [cols, D]). Row t sees the count[t] columns listed at seen + t cols, in order; every row sees columns [0, shared)
+   (its list starts 0, 1, 2, ...), and each of those keys and values is read once for all these rows and heads: over
+   a long cache they come from memory, not L2, and a verify's rows would otherwise read them once each. Each score is
+   a `dot`, then the softmax of the row's list and the values summed in list order: a row's result depends only on
+   its queries and the columns it lists. scores: [T, Hq, cols]; attn: [T, Hq, D]. */
+static void attend(const float *qkv, long width, const float *k, const float *v, const long *seen, const long *count,
+                   long cols, long shared, long t0, long t1, long kv, long G, long Hq, long D, float scaling,
+                   float *scores, float *attn) {
+#define HEAD_OF(t, g) ((t) * Hq + kv * G + (g)) /* query head g of this group, row t */
+    for (long j = 0; j < shared; j++)
+        for (long t = t0; t < t1; t++)
+            for (long g = 0; g < G; g++)
+                scores[HEAD_OF(t, g) * cols + j] = dot(qkv + t * width + (kv * G + g) * D, k + j * D, D) * scaling;
+    for (long t = t0; t < t1; t++)
+        for (long j = shared; j < count[t]; j++)
+            for (long g = 0; g < G; g++)
+                scores[HEAD_OF(t, g) * cols + j] =
+                    dot(qkv + t * width + (kv * G + g) * D, k + seen[t * cols + j] * D, D) * scaling;
+    for (long t = t0; t < t1; t++)
         for (long g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            vec acc = vzero();
-            for (long d = 0; d < dv; d += LANES) acc = vfma(vload(qg + d), vload(kj + d), acc);
-            float sum = hsum(acc);
-            for (long d = dv; d < D; d++) sum += qg[d] * kj[d];
-            s[g * n + j] = sum * scaling;
+            softmax(scores + HEAD_OF(t, g) * cols, count[t]);
+            for (long d = 0; d < D; d++) attn[HEAD_OF(t, g) * D + d] = 0.0f;
         }
-    }
-    for (long g = 0; g < G; g++) {
-        float *sg = s + g * n, top = -INFINITY, total;
-        for (long j = 0; j < n; j++) top = sg[j] > top ? sg[j] : top;
-        long j = 0, nv = n - n % LANES;
-        vec sums = vzero(), shift = vset1(-top);
-        for (; j < nv; j += LANES) {
-            vec e = vexp(vadd(vload(sg + j), shift));
-            vstore(sg + j, e);
-            sums = vadd(sums, e);
-        }
-        total = hsum(sums);
-        for (; j < n; j++) {
-            sg[j] = expf(sg[j] - top);
-            total += sg[j];
-        }
-        for (j = 0; j < n; j++) sg[j] /= total;
-    }
-    for (long i = 0; i < G * D; i++) out[i] = 0.0f;
-    for (long j = 0; j < n; j++) {
-        const float *vj = v + list[j] * D;
-        for (long d = 0; d < dv; d += LANES) {
-            vec vd = vload(vj + d);
-            for (long g = 0; g < G; g++) vstore(out + g * D + d, vfma(vset1(s[g * n + j]), vd, vload(out + g * D + d)));
-        }
-        for (long d = dv; d < D; d++)
-            for (long g = 0; g < G; g++) out[g * D + d] += s[g * n + j] * vj[d];
-    }
+    for (long j = 0; j < shared; j++)
+        for (long t = t0; t < t1; t++)
+            for (long g = 0; g < G; g++)
+                add_scaled(attn + HEAD_OF(t, g) * D, scores[HEAD_OF(t, g) * cols + j], v + j * D, D);
+    for (long t = t0; t < t1; t++)
+        for (long j = shared; j < count[t]; j++)
+            for (long g = 0; g < G; g++)
+                add_scaled(attn + HEAD_OF(t, g) * D, scores[HEAD_OF(t, g) * cols + j], v + seen[t * cols + j] * D, D);
+#undef HEAD_OF
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over each of T rows of width H */
@@ -420,17 +444,23 @@ int layer_attention_out(const struct layer *L, const float *h, float *out, const
     if (!base || T < 1 || cols < 1) return -1;
     float *scores = (float *)base, *attn = scores + T * Hq * cols, *x = attn + T * Hq * D;
     long *seen = (long *)(x + T * H), *count = seen + T * cols;
-    for (long t = 0; t < T; t++) { /* the columns row t sees, in order */
-        long n = 0, *list = seen + t * cols;
+    long shared = cols;
+    for (long t = 0; t < T; t++) { /* the columns row t sees, in order; those every row sees first */
+        long n = 0, *list = seen + t * cols, lead = 0;
         for (long c = 0; c < cols; c++)
             if (mask ? mask[t * cols + c] != 0 : c <= cols - T + t) list[n++] = c;
         count[t] = n;
+        while (lead < n && list[lead] == lead) lead++;
+        shared = lead < shared ? lead : shared;
     }
+    /* jobs: a key/value head and a part of the rows; enough parts to give every thread work */
+    long parts = (2 * threads + Hkv - 1) / Hkv;
+    parts = parts < 1 ? 1 : parts > T ? T : parts;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long job = 0; job < T * Hkv; job++) { /* one row, one key/value head and the query heads sharing it */
-        long t = job / Hkv, g = job % Hkv;
-        attend(qkv + t * width + g * group * D, keys + g * head_stride, values + g * head_stride, seen + t * cols,
-               count[t], group, D, L->scaling, scores + t * Hq * cols + g * group * cols, attn + t * Hq * D + g * group * D);
+    for (long job = 0; job < parts * Hkv; job++) {
+        long part = job / Hkv, g = job % Hkv;
+        attend(qkv, width, keys + g * head_stride, values + g * head_stride, seen, count, cols, shared,
+               T * part / parts, T * (part + 1) / parts, g, group, Hq, D, L->scaling, scores, attn);
     }
     if (apply(&L->o, attn, x, T, Hq * D, H, threads)) return -1;
     for (long i = 0; i < T * H; i++) out[i] = h[i] + x[i];
