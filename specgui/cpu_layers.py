@@ -205,15 +205,20 @@ def target_plan(layer: nn.Module) -> Plan | None:
     parts = [getattr(attn, f"{p}_proj", None) for p in PRODUCTS[:4]] + [getattr(ffn, f"{p}_proj", None)
                                                                          for p in PRODUCTS[4:]]
     if (any(type(p) is not nn.Linear or p.weight.dtype != torch.float32 or p.weight.device.type != "cpu"
-            for p in parts) or hasattr(attn, "q_norm") or not all(hasattr(n, "variance_epsilon") for n in norms)
-            or type(getattr(ffn, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU")):
+            for p in parts) or hasattr(attn, "q_norm") or not all(hasattr(n, "variance_epsilon") for n in norms)):
         return None
     dim = attn.head_dim
     heads, kv_heads = parts[0].out_features // dim, parts[1].out_features // dim
-    if heads % kv_heads or dim % 2:
+    if not llama_shaped(heads, kv_heads, dim, getattr(ffn, "act_fn", None)):
         return None
     shape = (parts[0].in_features, heads, kv_heads, dim, parts[4].out_features)
     return Plan(attn.layer_idx, norms, attn.scaling, shape, {name: Product.of(p) for name, p in zip(PRODUCTS, parts)})
+
+
+def llama_shaped(heads: int, kv_heads: int, head_dim: int, act_fn: nn.Module | None) -> bool:
+    """Whether the C layer computes this shape: query heads a multiple of the key/value heads, an even head width
+    (rotate-half rotary), a SiLU-gated MLP (q/k norms are the caller's to rule out)."""
+    return heads % kv_heads == 0 and head_dim % 2 == 0 and type(act_fn).__name__ in ("SiLUActivation", "SiLU")
 
 
 def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -232,7 +237,8 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
 
 
 def _eps(norm: nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    """A norm's epsilon: transformers' RMSNorm names it `variance_epsilon`, Fractal's copy (`FusedRMSNorm`) `eps`."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
 
 
 def _check(status: int) -> None:

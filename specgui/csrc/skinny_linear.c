@@ -11,9 +11,9 @@
  * step, from L1. Prefetching into L2 two tiles ahead instead of into L1 one tile ahead (AMD EPYC, two threads,
  * all products of a forward, least of 10): 1 row 21.6 -> 19.8 ms, 4 rows 24.0 -> 20-22, 8 rows 26.6 -> 20-26;
  * whole forwards at a 128-token context, two builds alternating in one process: 8 rows 1.13x one row where
- * prefetching into L1 from 7 rows on gave 1.48x. Before AVX-512 (same machine, every
- * product of a SmolLM2-135M forward, fp32) AVX2's 16 registers allowed one weight row per tile from 7 rows on (an
- * input load for every multiply-add): 8 rows cost 24 ms against one row's 15; AVX-512's 32 registers take 3 weight rows at 8 rows: 21.7 ms.
+ * prefetching into L1 from 7 rows on gave 1.48x. Before AVX-512 (same machine, every product of a SmolLM2-135M
+ * forward, fp32) AVX2's 16 registers allowed one weight row per tile from 7 rows on (an input load for every
+ * multiply-add): 8 rows cost 24 ms against one row's 15; AVX-512's 32 registers take 3 weight rows at 8 rows: 21.7 ms.
  *
  * Every output is summed in the same order whatever the number of rows or threads (a vector's lanes over k, then
  * the lanes, then the tail), so a row's result does not depend on which other rows share the call: a
@@ -69,9 +69,6 @@ static inline float hsum(vec v) {
 #define MM(op) _mm512_##op
 #define vbits _mm512_castsi512_ps
 static inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vec vzero_at_minus_inf(vec y, vec x) {
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), y);
-}
 #else
 typedef __m256 vec;
 #define LANES 8
@@ -89,9 +86,6 @@ static inline float hsum(vec v) { return hsum8(v); }
 #define MM(op) _mm256_##op
 #define vbits _mm256_castsi256_ps
 static inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vec vzero_at_minus_inf(vec y, vec x) {
-    return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-}
 #endif
 #define vset1 MM(set1_ps)
 #define vstore MM(storeu_ps)
@@ -114,8 +108,8 @@ static inline float one_load_bf16(unsigned short w) {
 }
 
 /* One tile: R weight rows from w (row stride K, element type T) times M input rows from x (row stride K), into y
-   (row stride ldy: a product may fill some columns of a wider output). The input rows are read again at every step (12 rows of K floats at most: L1 or L2), which leaves the registers to
-   R x M accumulators and R weight vectors. */
+   (row stride ldy: a product may fill some columns of a wider output). The input rows are read again at every step
+   (12 rows of K floats at most: L1 or L2), which leaves the registers to R x M accumulators and R weight vectors. */
 #define TILE(T, LOAD, M, R)                                                                              \
     static void tile_##LOAD##_##M##_##R(const float *x, const T *w, float *y, long K, long ldy, long kv) { \
         vec acc[R][M];                                                                                   \
@@ -302,7 +296,7 @@ static int apply(const struct linear *l, const float *x, float *y, long M, long 
     return run((enum weights)l->type, x, l->w, l->scale, l->bias, y, M, K, l->out, ldy, threads);
 }
 
-/* e^x for x <= 0, a vector at a time, 0 where x is -inf (a masked score): 2^n e^r with n = round(x / ln 2) and
+/* e^x for finite x below 88 (below -87 taken as -87), a vector at a time: 2^n e^r with n = round(x / ln 2) and
    |r| <= ln(2) / 2, e^r by Cephes' degree-6 polynomial (within ~2 ulp of expf). The softmax of a long cache spent
    ~40% of its time in scalar expf: a 5-row pass over 1024 cached tokens 22.8 ms, 18.4 with no exp at all. */
 static inline vec vexp(vec x) {
@@ -317,7 +311,7 @@ static inline vec vexp(vec x) {
     p = vfma(p, r, vset1(1.6666665459e-1f));
     p = vfma(p, r, vset1(5.0000001201e-1f));
     p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
-    return vzero_at_minus_inf(vmul(p, vpow2(n)), x);
+    return vmul(p, vpow2(n));
 }
 
 static float dot(const float *a, const float *b, long n) {
@@ -426,7 +420,8 @@ int layer_attention_in(const struct layer *L, const float *h, const float *cos, 
     float *normed = scratch(sizeof(float) * T * H);
     if (!normed || T < 1) return -1;
     rms_norm(h, L->in_norm, L->in_eps, normed, T, H);
-    if (apply(&L->q, normed, qkv, T, H, width, threads) || apply(&L->k, normed, qkv + L->heads * D, T, H, width, threads)
+    if (apply(&L->q, normed, qkv, T, H, width, threads)
+        || apply(&L->k, normed, qkv + L->heads * D, T, H, width, threads)
         || apply(&L->v, normed, qkv + (L->heads + L->kv_heads) * D, T, H, width, threads))
         return -1;
     for (long t = 0; t < T; t++) rotary(qkv + t * width, cos + t * D, sin + t * D, L->heads + L->kv_heads, D);

@@ -297,8 +297,7 @@ def _cpu_plan(runner: Runner, copy: CompressedLayer) -> cpu_layers.Plan | None:
     attn, mlp = copy.self_attn, copy.mlp
     int8 = all(type(m) is Int8WeightOnlyLinear and m.weight.device.type == "cpu" and m.scale.dtype == torch.float32
                for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    llama = (attn.q_norm is None and type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
-             and attn.heads % attn.kv_heads == 0 and attn.head_dim % 2 == 0)
+    llama = attn.q_norm is None and cpu_layers.llama_shaped(attn.heads, attn.kv_heads, attn.head_dim, mlp.act_fn)
     if (runner.device.type != "cpu" or runner.dtype != torch.float32 or kernels.skinny_library() is None
             or not (int8 and llama)):
         return None
