@@ -69,6 +69,28 @@ def test_a_verify_row_equals_the_plain_step_bit_for_bit():
     assert not torch.equal(causal[2], tree[2])  # c after a and b is another row: the check above is not vacuous
 
 
+@pytest.mark.parametrize("hidden", [64, 72, 256, 320])
+def test_long_rows_equal_plain_steps_and_the_modules(skinny_build, hidden):
+    """Over a prefix longer than a block of keys, 20 causal rows (each row's own columns a block and more) equal 20
+    plain steps bit for bit and transformers' modules within rounding: scores taken a block of keys at a time sum
+    as one key at a time does, wherever a block starts. Head widths 16, 18, 64 and 80 take every path of the
+    value sums (whole spans of vectors, single vectors, a scalar tail)."""
+    lm = tiny_model(hidden=hidden, vocab=64, seed=6)
+    kernels.install(lm.model, forced="skinny")  # the LM head too: row-independent
+    runner, prefix, rows = lm.runner, 37, 20
+    ids = torch.randint(0, 64, (prefix + rows,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache = KVCache()
+        runner.forward(ids[:prefix], torch.arange(prefix), cache)
+        together = runner.forward(ids[prefix:], torch.arange(prefix, prefix + rows), cache.view(prefix))
+        steps = torch.cat([runner.forward(ids[i : i + 1], torch.tensor([i]), cache)
+                           for i in range(prefix, prefix + rows)])
+        with cpu_layers.suspended():
+            modules = runner.forward(ids[prefix:], torch.arange(prefix, prefix + rows), cache.view(prefix))
+    assert torch.equal(together, steps)
+    assert torch.allclose(together, modules, atol=1e-4), (together - modules).abs().max()
+
+
 def test_transformers_forward_and_generate_run_the_layers():
     """The model's own forward (transformers' `generate` calls it) goes through the plans and agrees with the
     modules; greedy `generate` reproduces SpecGUI's baseline token for token."""

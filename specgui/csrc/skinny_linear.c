@@ -66,6 +66,21 @@ static inline vec load_bf16(const unsigned short *w) {
 static inline float hsum(vec v) {
     return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
+/* The sums of LANES vectors, one a lane, each in `hsum`'s order (bit-equal to it: tested): halves of 256 bits, of
+   128, pairs, neighbours, four vectors' worth a shuffle. Inputs taken in the order that leaves column j in lane j. */
+static inline vec hsums(const vec *w) {
+    vec v[16], a[8], b[4], c[2];
+    for (int i = 0; i < 16; i++) v[i] = w[(i % 4) * 4 + i / 4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
 #define MM(op) _mm512_##op
 #define vbits _mm512_castsi512_ps
 static inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -83,6 +98,16 @@ static inline vec load_bf16(const unsigned short *w) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
 static inline float hsum(vec v) { return hsum8(v); }
+static inline vec hsums(const vec *w) {
+    vec v[8], a[4], b[2];
+    for (int i = 0; i < 8; i++) v[i] = w[(i % 2) * 4 + i / 2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));
+}
 #define MM(op) _mm256_##op
 #define vbits _mm256_castsi256_ps
 static inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -323,6 +348,24 @@ static float dot(const float *a, const float *b, long n) {
     return s;
 }
 
+/* s[c] = scaling * dot(q, keys[c], D) for the LANES keys keys[0..LANES), the same sums (`hsums`), LANES at a time:
+   one reduction of LANES vectors instead of LANES reductions of one. */
+static void dots(const float *q, const float *const *keys, long D, float scaling, float *s) {
+    long dv = D - D % LANES;
+    vec acc[LANES];
+    for (int c = 0; c < LANES; c++) acc[c] = vzero();
+    for (long i = 0; i < dv; i += LANES) {
+        vec qv = vload(q + i);
+        for (int c = 0; c < LANES; c++) acc[c] = vfma(qv, vload(keys[c] + i), acc[c]);
+    }
+    float sums[LANES];
+    vstore(sums, hsums(acc));
+    for (int c = 0; c < LANES; c++) {
+        for (long i = dv; i < D; i++) sums[c] += q[i] * keys[c][i];
+        s[c] = sums[c] * scaling;
+    }
+}
+
 /* In place: s[0..n) -> softmax(s), a vector at a time (max and division are exact in any order) */
 static void softmax(float *s, long n) {
     long j = 0, nv = n - n % LANES;
@@ -348,47 +391,115 @@ static void softmax(float *s, long n) {
     for (; j < n; j++) s[j] /= total;
 }
 
-/* o[D] += p v[D] */
-static inline void add_scaled(float *o, float p, const float *v, long D) {
-    long d = 0, dv = D - D % LANES;
-    vec pv = vset1(p);
-    for (; d < dv; d += LANES) vstore(o + d, vfma(pv, vload(v + d), vload(o + d)));
-    for (; d < D; d++) o[d] += p * v[d];
-}
+/* o[i][d] += p[i][j] v_j[d] for NP outputs over columns j in [j0, j1) in order (v_j = v + (list ? list[j] : j) D):
+   each value vector is read once for all NP outputs (heads and rows sharing the column) and streamed in column
+   order, prefetched a few columns ahead, while the NP outputs' sums stay in registers, SPAN vectors of d at a time
+   (a 64-wide head in one span with AVX-512). Every o[i][d] is summed over j in order. */
+#ifdef __AVX512F__
+#define SPAN 4
+#define VALUE_GROUP 5
+#else
+#define SPAN 2
+#define VALUE_GROUP 4
+#endif
+#define VALUE_AHEAD 8 /* columns */
+#define VALUE_SUMS(NP)                                                                                       \
+    static void value_sums_##NP(float *const *o, const float *const *p, const float *v, const long *list,    \
+                                long j0, long j1, long D) {                                                \
+        long d = 0;                                                                                          \
+        for (; d + SPAN * LANES <= D; d += SPAN * LANES) {                                                   \
+            vec acc[NP][SPAN];                                                                               \
+            for (int i = 0; i < NP; i++)                                                                     \
+                for (int c = 0; c < SPAN; c++) acc[i][c] = vload(o[i] + d + c * LANES);                      \
+            for (long j = j0; j < j1; j++) {                                                                 \
+                const float *vj = v + (list ? list[j] : j) * D + d;                                          \
+                if (j + VALUE_AHEAD < j1)                                                                    \
+                    for (int c = 0; c < SPAN * LANES; c += 16)                                               \
+                        _mm_prefetch((const char *)(v + (list ? list[j + VALUE_AHEAD] : j + VALUE_AHEAD) * D \
+                                                    + d + c), _MM_HINT_T0);                                  \
+                vec x[SPAN];                                                                                 \
+                for (int c = 0; c < SPAN; c++) x[c] = vload(vj + c * LANES);                                 \
+                for (int i = 0; i < NP; i++) {                                                               \
+                    vec pv = vset1(p[i][j]);                                                                 \
+                    for (int c = 0; c < SPAN; c++) acc[i][c] = vfma(pv, x[c], acc[i][c]);                    \
+                }                                                                                            \
+            }                                                                                                \
+            for (int i = 0; i < NP; i++)                                                                     \
+                for (int c = 0; c < SPAN; c++) vstore(o[i] + d + c * LANES, acc[i][c]);                      \
+        }                                                                                                    \
+        for (; d + LANES <= D; d += LANES) {                                                                 \
+            vec acc[NP];                                                                                     \
+            for (int i = 0; i < NP; i++) acc[i] = vload(o[i] + d);                                           \
+            for (long j = j0; j < j1; j++) {                                                                 \
+                vec x = vload(v + (list ? list[j] : j) * D + d);                                             \
+                for (int i = 0; i < NP; i++) acc[i] = vfma(vset1(p[i][j]), x, acc[i]);                       \
+            }                                                                                                \
+            for (int i = 0; i < NP; i++) vstore(o[i] + d, acc[i]);                                           \
+        }                                                                                                    \
+        for (; d < D; d++)                                                                                   \
+            for (long j = j0; j < j1; j++)                                                                   \
+                for (int i = 0; i < NP; i++) o[i][d] += p[i][j] * v[(list ? list[j] : j) * D + d];           \
+    }
+VALUE_SUMS(1) VALUE_SUMS(2) VALUE_SUMS(3) VALUE_SUMS(4) VALUE_SUMS(5)
+typedef void (*value_sums_fn)(float *const *, const float *const *, const float *, const long *, long, long, long);
+static const value_sums_fn VALUE_SUMS_OF[] = {0, value_sums_1, value_sums_2, value_sums_3, value_sums_4, value_sums_5};
 
-/* Attention of rows [t0, t1) for the G query heads that share key/value head `kv` (keys k, values v of that head,
-   [cols, D]). Row t sees the count[t] columns listed at seen + t cols, in order; every row sees columns [0, shared)
-   (its list starts 0, 1, 2, ...), and each of those keys and values is read once for all these rows and heads: over
-   a long cache they come from memory, not L2, and a verify's rows would otherwise read them once each. Each score is
-   a `dot`, then the softmax of the row's list and the values summed in list order: a row's result depends only on
-   its queries and the columns it lists. scores: [T, Hq, cols]; attn: [T, Hq, D]. */
+/* Attention of the (row, query head) pairs [p0, p1) of key/value head `kv`: pair p is row p / G and query head
+   g = p % G of the G that share it (keys k, values v of that head, [cols, D]). Row t sees the count[t] columns listed
+   at seen + t cols, in order; every row sees columns [0, shared) (its list starts 0, 1, 2, ...), and each of those
+   keys and values is read once for all the job's pairs: over a long cache they come from memory, not L2, and a
+   verify's rows would otherwise read them once each. Scores come LANES keys at a time (`dots`, the sums of `dot`),
+   then the softmax of the row's list, then the values summed in list order for up to VALUE_GROUP pairs at once (of
+   one row for its own columns): a pair's result depends only on its query and the columns its row lists.
+   scores: [T, Hq, cols]; attn: [T, Hq, D]. */
 static void attend(const float *qkv, long width, const float *k, const float *v, const long *seen, const long *count,
-                   long cols, long shared, long t0, long t1, long kv, long G, long Hq, long D, float scaling,
+                   long cols, long shared, long p0, long p1, long kv, long G, long Hq, long D, float scaling,
                    float *scores, float *attn) {
-#define HEAD_OF(t, g) ((t) * Hq + kv * G + (g)) /* query head g of this group, row t */
-    for (long j = 0; j < shared; j++)
-        for (long t = t0; t < t1; t++)
-            for (long g = 0; g < G; g++)
-                scores[HEAD_OF(t, g) * cols + j] = dot(qkv + t * width + (kv * G + g) * D, k + j * D, D) * scaling;
-    for (long t = t0; t < t1; t++)
-        for (long j = shared; j < count[t]; j++)
-            for (long g = 0; g < G; g++)
-                scores[HEAD_OF(t, g) * cols + j] =
-                    dot(qkv + t * width + (kv * G + g) * D, k + seen[t * cols + j] * D, D) * scaling;
-    for (long t = t0; t < t1; t++)
-        for (long g = 0; g < G; g++) {
-            softmax(scores + HEAD_OF(t, g) * cols, count[t]);
-            for (long d = 0; d < D; d++) attn[HEAD_OF(t, g) * D + d] = 0.0f;
+#define ROW(p) ((p) / G)
+#define HEAD(p) (ROW(p) * Hq + kv * G + (p) % G) /* the pair's head among all rows' heads */
+#define QUERY(p) (qkv + ROW(p) * width + (kv * G + (p) % G) * D)
+    const float *keys[LANES];
+    long j = 0;
+    for (; j + LANES <= shared; j += LANES) {
+        for (int c = 0; c < LANES; c++) keys[c] = k + (j + c) * D;
+        for (long i = 0; j + 2 * LANES <= shared && i < LANES * D; i += 16) /* the next block, while this one runs */
+            _mm_prefetch((const char *)(k + (j + LANES) * D + i), _MM_HINT_T0);
+        for (long p = p0; p < p1; p++) dots(QUERY(p), keys, D, scaling, scores + HEAD(p) * cols + j);
+    }
+    for (; j < shared; j++)
+        for (long p = p0; p < p1; p++) scores[HEAD(p) * cols + j] = dot(QUERY(p), k + j * D, D) * scaling;
+    for (long p = p0; p < p1; p++) {
+        const long *list = seen + ROW(p) * cols;
+        for (j = shared; j + LANES <= count[ROW(p)]; j += LANES) {
+            for (int c = 0; c < LANES; c++) keys[c] = k + list[j + c] * D;
+            dots(QUERY(p), keys, D, scaling, scores + HEAD(p) * cols + j);
         }
-    for (long j = 0; j < shared; j++)
-        for (long t = t0; t < t1; t++)
-            for (long g = 0; g < G; g++)
-                add_scaled(attn + HEAD_OF(t, g) * D, scores[HEAD_OF(t, g) * cols + j], v + j * D, D);
-    for (long t = t0; t < t1; t++)
-        for (long j = shared; j < count[t]; j++)
-            for (long g = 0; g < G; g++)
-                add_scaled(attn + HEAD_OF(t, g) * D, scores[HEAD_OF(t, g) * cols + j], v + seen[t * cols + j] * D, D);
-#undef HEAD_OF
+        for (; j < count[ROW(p)]; j++) scores[HEAD(p) * cols + j] = dot(QUERY(p), k + list[j] * D, D) * scaling;
+        softmax(scores + HEAD(p) * cols, count[ROW(p)]);
+        for (long d = 0; d < D; d++) attn[HEAD(p) * D + d] = 0.0f;
+    }
+    float *outs[VALUE_GROUP];
+    const float *probs[VALUE_GROUP];
+    for (long p = p0; p < p1;) { /* the shared columns, for any pairs */
+        int n = 0;
+        for (; n < VALUE_GROUP && p < p1; n++, p++) {
+            outs[n] = attn + HEAD(p) * D;
+            probs[n] = scores + HEAD(p) * cols;
+        }
+        VALUE_SUMS_OF[n](outs, probs, v, 0, 0, shared, D);
+    }
+    for (long p = p0; p < p1;) { /* each row's own columns, for pairs of that row */
+        long t = ROW(p);
+        int n = 0;
+        for (; n < VALUE_GROUP && p < p1 && ROW(p) == t; n++, p++) {
+            outs[n] = attn + HEAD(p) * D;
+            probs[n] = scores + HEAD(p) * cols;
+        }
+        VALUE_SUMS_OF[n](outs, probs, v, seen + t * cols, shared, count[t], D);
+    }
+#undef QUERY
+#undef HEAD
+#undef ROW
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over each of T rows of width H */
@@ -448,14 +559,16 @@ int layer_attention_out(const struct layer *L, const float *h, float *out, const
         while (lead < n && list[lead] == lead) lead++;
         shared = lead < shared ? lead : shared;
     }
-    /* jobs: a key/value head and a part of the rows; enough parts to give every thread work */
+    /* jobs: a key/value head and a part of the rows (with all their query heads of that group); enough parts to give
+       every thread work. Not fewer rows a part: a one-row step split by query heads read each key twice, once a
+       thread, and cost more than the threads' uneven shares of whole key/value heads (ctx 1024: 4.3 ms against 3.2) */
     long parts = (2 * threads + Hkv - 1) / Hkv;
     parts = parts < 1 ? 1 : parts > T ? T : parts;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long job = 0; job < parts * Hkv; job++) {
         long part = job / Hkv, g = job % Hkv;
         attend(qkv, width, keys + g * head_stride, values + g * head_stride, seen, count, cols, shared,
-               T * part / parts, T * (part + 1) / parts, g, group, Hq, D, L->scaling, scores, attn);
+               T * part / parts * group, T * (part + 1) / parts * group, g, group, Hq, D, L->scaling, scores, attn);
     }
     if (apply(&L->o, attn, x, T, Hq * D, H, threads)) return -1;
     for (long i = 0; i < T * H; i++) out[i] = h[i] + x[i];
