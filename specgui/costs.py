@@ -406,6 +406,19 @@ def time_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> fl
     return _median_ms(fn, _sync(device), repeats)
 
 
+def beside_forward_ms(profile: CostProfile, fn: Callable[[], Any], forward: Callable[[], Any], rows: int, context: int,
+                      device: torch.device, repeats: int = 5) -> float:
+    """`fn`'s cost as `profile` prices forwards: `fn` and `forward` (a target forward of `rows` rows after `context`
+    cached tokens) timed in turns, `fn`'s share of that forward times the profile's own price of it.
+
+    Why: the machine's speed drifts between phases (on the CI kind of machine the same code's plain step measured
+    16.9 ms and, 17 minutes later, 22.4), and a mechanism timed alone at another moment than the profile's forward
+    curve is compared with forwards of another speed: a Fractal pass timed in a slow phase priced its drafts above
+    break-even against a curve from a fast one. A share of a forward timed beside it moves with neither."""
+    mechanism, reference = _medians_ms([fn, forward], _sync(device), repeats)
+    return mechanism / reference * profile.forward_ms(rows, context)
+
+
 def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

@@ -60,6 +60,22 @@ def test_predictions_interpolate_and_price_skipped_sublayers():
     assert "forward ms by new tokens" in text and "x.lookup" in text and "plain step 12.00 ms" in text
 
 
+def test_a_mechanism_timed_beside_a_forward_is_priced_at_the_profiles_speed(monkeypatch):
+    """A mechanism costing half a forward is priced at half the profile's forward, though the machine runs at half
+    speed when it is timed (and slows down further midway): both are timed in turns, the share carries over."""
+    profile = costs.CostProfile(key=KEY, sizes=[1, 4, 16], contexts=[100, 1100], forward=[[10, 13, 25], [20, 23, 35]],
+                                step=12, attn=[1.0], mlp=[2.0], head=0.5)
+    clock = {"now": 0.0, "calls": 0}
+
+    def work(ms: float) -> None:
+        clock["calls"] += 1
+        clock["now"] += ms * (2 if clock["calls"] < 6 else 3) / 1000  # half speed, then a third
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
+    ms = costs.beside_forward_ms(profile, lambda: work(6.5), lambda: work(13), 4, 100, torch.device("cpu"))
+    assert ms == pytest.approx(0.5 * profile.forward_ms(4, 100))
+
+
 def test_a_forward_over_more_rows_is_never_priced_below_fewer():
     """Medians taken while the machine slowed once put one row at 35.4 ms and two at 33.0: priced as measured, a
     2-row verify came out cheaper than a plain step. Prices read the least-squares non-decreasing curve; the

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from specgui.costs import DeviceClock, interpolate, time_ms
+from specgui.costs import DeviceClock, beside_forward_ms, interpolate
 from specgui.draft import Draft, Extras, Outcome
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
@@ -306,14 +306,19 @@ class Fractal(Drafter):
 
     def _pass_ms(self, state: DecodeState, rows: int, context: int) -> float:
         """One compressed pass (every compressed layer and the head) over `rows` rows after a `context`-token
-        prefix, on the path the run takes: over the run's own cache, still empty in `setup`, and emptied again."""
+        prefix, on the path the run takes (over the run's own cache, still empty in `setup`, and emptied again),
+        priced as a share of a target forward over the same rows timed beside it (`costs.beside_forward_ms`)."""
         runner, comp = self.runner, self.plan.compressed
         prefix = torch.arange(context) % int(runner.config.vocab_size)
+        positions = torch.arange(context, context + rows)
         with torch.inference_mode():
             runner.forward(prefix, torch.arange(context), state.cache)
-            step = runner.new_pass(torch.arange(context, context + rows), state.cache.view(context))
+            view = state.cache.view(context)
+            step = runner.new_pass(positions, view)
             h = comp.embed(prefix[:rows].view(1, -1).to(runner.embed_device))
-            ms = time_ms(lambda: comp.logits(comp.run(step, h, range(runner.num_layers))), runner.device, 5)
+            ms = beside_forward_ms(state.profile, lambda: comp.logits(comp.run(step, h, range(runner.num_layers))),
+                                   lambda: runner.forward(prefix[:rows], positions, view), rows, context,
+                                   runner.device)
         state.cache.crop(0)
         return ms
 
