@@ -41,9 +41,12 @@ def fractal_params(**overrides):
 
 
 def test_positions_default_to_the_papers_quarter_at_a_uniform_gap():
-    assert fractal_positions(28, fractal_params(num_fractal=0, layers="")) == [0, 4, 8, 12, 16, 20, 24]
+    assert fractal_positions(28, fractal_params(num_fractal=0, first=0.0, layers="")) == [0, 4, 8, 12, 16, 20, 24]
     assert fractal_positions(30, fractal_params(num_fractal=3, first=0.5, layers="")) == [15, 20, 25]
     assert fractal_positions(4, fractal_params(num_fractal=9, first=0.0, layers="")) == [0, 1, 2, 3]  # clamped
+    # a deep start moves up where n layers would not fit after it, on any depth of model
+    assert fractal_positions(30, fractal_params(num_fractal=2, first=0.9, layers="")) == [27, 28]
+    assert fractal_positions(4, fractal_params(num_fractal=2, first=0.9, layers="")) == [2, 3]
     assert fractal_positions(30, fractal_params(layers="12, 3,3")) == [3, 12]
 
 
@@ -83,7 +86,7 @@ def test_origin_is_the_fractal_layer_from_which_a_slot_guess_stopped_changing():
 def test_splice_changes_only_slot_rows_and_leaves_the_cache_as_found(tiny_lm):
     """Exact rows of a spliced forward equal those of a plain forward over the same tokens."""
     runner = tiny_lm.runner
-    drafter = methods.create("fractal", runner, "tiny", GREEDY, {"num_fractal": 2, "window": 3})
+    drafter = methods.create("fractal", runner, "tiny", GREEDY, {"num_fractal": 2, "window": 3, "first": 0.0})
     prompt = torch.tensor(PROMPTS[0])
     block = torch.tensor([9, 10, 11, 12, 12, 12])  # 3 exact rows, then 3 slots (copies of the anchor)
     c = len(prompt)
@@ -138,7 +141,7 @@ def test_sampling_with_separate_draft_forwards_keeps_target_distribution():
 @pytest.mark.parametrize("carry", [True, False])
 def test_payload_names_layers_origins_and_the_time_split(tiny_lm, carry):
     # fixed sizes: with the cost policy a noisy profile may pause drafting, and no chain is carried then
-    params = {"carry": carry, "num_fractal": 2, "window": 2, "policy": "fixed"}
+    params = {"carry": carry, "num_fractal": 2, "window": 2, "first": 0.0, "policy": "fixed"}
     result = decode.run(tiny_lm, PROMPTS[0], "fractal", max_new_tokens=30, params=params)
     prefill = next(e for e in result.events if isinstance(e, Prefill))
     assert prefill.payload["fractal_layers"] == [0, 2]

@@ -70,7 +70,8 @@ class FractalParams(SizedParams):
                              "(0: the paper's L/4)")
     window: int = param(low=0, high=32, help="w: draft slots refined per forward (0: w = n, the paper's choice)")
     first: float = param(low=0.0, high=0.99, help="depth of the first fractal layer as a fraction of the "
-                         "model's layers (0: layer 0, as the paper's code); the rest follow at a uniform gap")
+                         "model's layers (0: layer 0, as the paper's code; earlier where n layers would not fit "
+                         "after it); the rest follow at a uniform gap")
     layers: str = param(help="explicit fractal layer indices, comma-separated (overrides num_fractal and "
                         "first; for per-model presets); empty: uniform")
     carry: bool = param(help="the verify forward carries the next draft's slots (else every step runs its "
@@ -81,7 +82,8 @@ class FractalParams(SizedParams):
 
 
 def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
-    """The fractal layers: explicit indices, or n layers from `first` at a uniform gap."""
+    """The fractal layers: explicit indices, or n layers from `first` at a uniform gap (from earlier where n layers
+    would not fit after `first`: a preset's depth holds for models of any depth)."""
     if params.layers.strip():
         try:
             chosen = sorted({int(x) for x in params.layers.split(",") if x.strip()})
@@ -90,8 +92,8 @@ def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
         if not chosen or chosen[0] < 0 or chosen[-1] >= num_layers:
             raise SpecGUIError(f"fractal layers {params.layers!r} must lie in 0..{num_layers - 1}")
         return chosen
-    start = min(int(params.first * num_layers), num_layers - 1)
-    n = min(params.num_fractal or max(1, num_layers // 4), num_layers - start)
+    n = min(params.num_fractal or max(1, num_layers // 4), num_layers)
+    start = min(int(params.first * num_layers), num_layers - n)
     gap = (num_layers - start) / n
     return [start + int(k * gap) for k in range(n)]
 
