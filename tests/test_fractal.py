@@ -102,6 +102,16 @@ def test_splice_changes_only_slot_rows_and_leaves_the_cache_as_found(tiny_lm):
     assert all(cache.get_seq_length(i) == c + 6 for i in range(runner.num_layers))  # only the main stream wrote
 
 
+def test_a_deep_fractal_layers_pass_is_priced_by_the_rows_each_part_runs(tiny_lm):
+    """Layer i's pass runs the forward's rows through the copy's layers i..L-1 and the slots through 0..i-1: of a
+    4-layer model, layer 0's pass costs a whole pass over the rows, layer 2's half of one over the rows and half of
+    one over the slots (whole passes timed at 3 and 5 rows, here 3 and 5 ms: a whole pass over r rows costs r)."""
+    drafter = methods.create("fractal", tiny_lm.runner, "tiny", GREEDY, {"layers": "0,2", "window": 2})
+    drafter.pass_rows, drafter.pass_contexts, drafter.pass_ms = (3, 5), (128, 128), [[3.0, 5.0], [3.0, 5.0]]
+    state = dataclasses.make_dataclass("State", ["committed"])(committed=100)
+    assert drafter._passes_ms(state, 5) == pytest.approx(5.0 + (2 * 5.0 + 2 * 2.0) / 4)
+
+
 def test_draft_forward_leaves_the_cache_holding_the_committed_prefix(tiny_lm):
     runner = tiny_lm.runner
     drafter = methods.create("fractal", runner, "tiny", GREEDY, {"carry": False, "num_fractal": 2, "window": 2})

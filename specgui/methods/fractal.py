@@ -299,12 +299,18 @@ class Fractal(Drafter):
         return list(enumerate(self.plan.compressed.layers))
 
     def _passes_ms(self, state: DecodeState, rows: int) -> float:
-        """The compressed passes of one spliced forward of `rows` rows at the current context: the measured pass
-        costs, interpolated in rows at each timed context, then in context."""
-        rows_at = [interpolate(list(self.pass_rows), costs, rows) for costs in self.pass_ms]
+        """The compressed passes of one spliced forward of `rows` rows at the current context. A whole pass (every
+        layer of the copy) is the measured cost, interpolated in rows at each timed context, then in context; the
+        pass of fractal layer i runs the forward's `rows` through the copy's layers i..L-1 and only the w slots
+        through 0..i-1, and is priced as those shares of whole passes over `rows` and over w rows."""
         contexts = list(dict.fromkeys(self.pass_contexts))  # one context where the cache held no second
-        per_pass = interpolate(contexts, rows_at[: len(contexts)], state.committed)
-        return len(self.plan.layers) * max(0.0, per_pass)
+
+        def whole(r: int) -> float:
+            rows_at = [interpolate(list(self.pass_rows), costs, r) for costs in self.pass_ms[: len(contexts)]]
+            return max(0.0, interpolate(contexts, rows_at, state.committed))
+
+        layers, upper, lower = self.runner.num_layers, whole(rows), whole(self.plan.window)
+        return sum(((layers - i) * upper + i * lower) / layers for i in self.plan.layers)
 
     def _pass_ms(self, state: DecodeState, rows: int, context: int) -> float:
         """One compressed pass (every compressed layer and the head) over `rows` rows after a `context`-token
