@@ -18,7 +18,8 @@ taken on a busy machine). It holds, as median milliseconds:
   forward[c][T]  a target forward of T new tokens (T = 1 ... 64) over a cached context of c tokens, at a
                  short and a long context (prices read each context's non-decreasing fit: `monotone_forward`)
   step           a whole plain decoding step (baseline: forward, verdict, bookkeeping) at the short context:
-                 the unit speedups are counted in
+                 the unit speedups are counted in (timed in turns with a one-token forward and priced as its
+                 ratio to that forward, so that it is of the same moment as the forward curve)
   attn[l], mlp[l] each sub-layer over one token, from which a layer-skip draft forward's cost follows
   head           the final norm and LM head over one row
   mechanisms     each method's own drafting work (n-gram lookup, compressed pass, skip-set search ...),
@@ -110,7 +111,8 @@ class CostProfile:
     @property
     def loop_ms(self) -> float:
         """What a decoding step costs beyond its forward (the verdict, the cache, the bookkeeping): the measured
-        plain step less the one-token forward, timed apart. With their noise it can come out below zero; it is
+        plain step less the one-token forward (the step priced by its ratio to that forward). With their noise it
+        can come out below zero; it is
         kept so, so that a plain step is priced at what it measured, not above it (clamped at zero, a step of
         32.1 ms was priced 33.6 and every prediction came out ~5% optimistic)."""
         return self.step - self.forward_ms(1, self.contexts[0])
@@ -317,6 +319,7 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
     tokens = torch.randint(0, vocab, (contexts[-1] + SIZES[-1],), generator=torch.Generator().manual_seed(0))
     sync = _sync(runner.device)
     forward: list[list[float]] = []
+    one_token: list[Callable[[], Any]] = []  # per context, a one-token forward: what a plain step is timed beside
     with torch.inference_mode():
         for c in contexts:
             cache = fastpath.cache_for(runner, c + SIZES[-1]) if fast_path else KVCache()
@@ -324,10 +327,11 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
             calls = [lambda t=t, c=c, cache=cache: runner.forward(tokens[c : c + t], torch.arange(c, c + t),
                                                                     cache.view(c)) for t in SIZES]
             forward.append(_medians_ms(calls, sync))
+            one_token.append(calls[0])
         attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync, fast_path)
     profile = CostProfile(key=profile_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward,
                           step=0.0, attn=attn, mlp=mlp, head=head)
-    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run)
+    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run, beside=one_token[0])
     profile.measure_s = time.perf_counter() - started
     profile.measured_at = time.time()
     return profile
@@ -347,21 +351,31 @@ def _sublayers(runner: Runner, tokens: torch.Tensor, context: int, sync: Callabl
 
 
 def _plain_step_ms(lm: Any, prompt: list[int], profile: CostProfile, *, run: Decode | None = None,
-                   rounds: int = 3, new_tokens: int = 8) -> float:
+                   rounds: int = 3, new_tokens: int = 8, beside: Callable[[], Any] | None = None) -> float:
     """The median whole step of a short baseline run: what plain decoding costs per token, loop included.
 
-    The run gets the profile being measured (its steps need no more than the forwards already in it).
+    The run gets the profile being measured (its steps need no more than the forwards already in it). Alone, the
+    least of the rounds' medians (another process's burst only ever slows a run down). With `beside` (a one-token
+    forward at the profile's short context), each round also times that forward, and the step is priced as the
+    median of the rounds' ratios of step to forward times the profile's own one-token forward: timed apart, a step
+    measured in a faster moment than the forward curve came out 4.4 ms under a one-token forward (a loop of -4.4 ms,
+    every verify priced that much too cheap; AMD EPYC, 2026-11-26 05:42 UTC).
     """
     run = run or _decoder
     if run is None:
         raise RuntimeError("timing a plain step needs the decode loop: pass `run` or import specgui.decode")
     path = "on" if profile.key["fast_path"] else "off"
     run(lm, prompt[:16], "baseline", max_new_tokens=4, fast_path=path, profile=profile)  # warm-up
-    medians = []
-    for _ in range(rounds):  # the least of the medians: another process's burst only ever slows a run down
+    medians, ratios = [], []
+    for _ in range(rounds):
         result = run(lm, prompt, "baseline", max_new_tokens=new_tokens, fast_path=path, profile=profile)
         medians.append(statistics.median(s.draft_ms + s.verify_ms + s.overhead_ms for s in result.steps))
-    return min(medians)
+        if beside is not None:
+            with torch.inference_mode():
+                ratios.append(medians[-1] / _median_ms(beside, _sync(lm.runner.device)))
+    if beside is None:
+        return min(medians)
+    return statistics.median(ratios) * profile.forward_ms(1, profile.contexts[0])
 
 
 def _medians_ms(calls: list[Callable[[], Any]], sync: Callable[[], None], repeats: int = REPEATS) -> list[float]:

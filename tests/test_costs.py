@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,26 @@ def test_a_mechanism_timed_beside_a_forward_is_priced_at_the_profiles_speed(monk
     monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
     ms = costs.beside_forward_ms(profile, lambda: work(6.5), lambda: work(13), 4, 100, torch.device("cpu"))
     assert ms == pytest.approx(0.5 * profile.forward_ms(4, 100))
+
+
+def test_a_plain_step_is_priced_by_its_ratio_to_a_one_token_forward_timed_beside_it(monkeypatch):
+    """Steps that take 0.95 of a one-token forward timed right after them are priced at 0.95 of the profile's
+    one-token forward, whatever speed the machine ran at while they were timed (here a third of the profile's)."""
+    profile = costs.CostProfile(key=KEY, sizes=[1, 4], contexts=[128], forward=[[10, 12]], step=0.0, attn=[1.0],
+                                mlp=[2.0], head=0.5)
+    clock = {"now": 0.0}
+
+    def forward() -> None:
+        clock["now"] += 0.030  # 30 ms: three times the profile's 10
+
+    def run(*args, **kwargs):
+        step = types.SimpleNamespace(draft_ms=0.0, verify_ms=28.0, overhead_ms=0.5)
+        return types.SimpleNamespace(steps=[step] * 8)
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
+    lm = types.SimpleNamespace(runner=types.SimpleNamespace(device=torch.device("cpu")))
+    assert costs._plain_step_ms(lm, [1] * 16, profile, run=run, beside=forward) == pytest.approx(9.5)
+    assert costs._plain_step_ms(lm, [1] * 16, profile, run=run) == pytest.approx(28.5)  # alone: as timed
 
 
 def test_a_forward_over_more_rows_is_never_priced_below_fewer():
