@@ -319,14 +319,17 @@ class Fractal(Drafter):
         runner, comp = self.runner, self.plan.compressed
         prefix = torch.arange(context) % int(runner.config.vocab_size)
         positions = torch.arange(context, context + rows)
+        ids = prefix[:rows].view(1, -1).to(runner.embed_device)
+
+        def whole_pass() -> None:  # as a splice runs it: its own pass state (positions, rotary tables), embedding
+            step = runner.new_pass(positions, view)
+            comp.logits(comp.run(step, comp.embed(ids), range(runner.num_layers))).argmax(-1)
+
         with torch.inference_mode():
             runner.forward(prefix, torch.arange(context), state.cache)
             view = state.cache.view(context)
-            step = runner.new_pass(positions, view)
-            h = comp.embed(prefix[:rows].view(1, -1).to(runner.embed_device))
-            ms = beside_forward_ms(state.profile, lambda: comp.logits(comp.run(step, h, range(runner.num_layers))),
-                                   lambda: runner.forward(prefix[:rows], positions, view), rows, context,
-                                   runner.device)
+            ms = beside_forward_ms(state.profile, whole_pass, lambda: runner.forward(prefix[:rows], positions, view),
+                                   rows, context, runner.device)
         state.cache.crop(0)
         return ms
 
