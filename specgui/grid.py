@@ -47,11 +47,13 @@ def settings(grid: list[str], fixed: list[str]) -> list[dict[str, Any]]:
 
 
 def measure(lm, rows: list[PromptRow], method: str, grid: list[dict[str, Any]], max_new_tokens: int,
-            progress: Callable[[bench.Entry, PromptRow], None] | None = None) -> list[dict[str, Any]]:
-    """Bench baseline and every setting on every prompt; return one summary per setting, fastest first."""
+            progress: Callable[[bench.Entry, PromptRow], None] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
+    """Bench baseline and every setting on every prompt (each pair's median of `repeats` runs); return one summary
+    per setting, fastest first."""
     entries = [bench.Entry("baseline", "baseline")] + [
         bench.Entry(f"#{i}", method, values) for i, values in enumerate(grid)]
-    report = bench.bench(lm, rows, entries, bench.Settings(max_new_tokens=max_new_tokens), progress=progress)
+    report = bench.bench(lm, rows, entries, bench.Settings(max_new_tokens=max_new_tokens, repeats=repeats),
+                         progress=progress)
     results = []
     for entry in entries[1:]:
         overall = report["methods"][entry.label]
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--categories", default=None)
     parser.add_argument("--limit", type=int, default=1, help="prompts per category (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (prompt, setting) pair, median kept: "
+                        "with one, a prompt's single baseline run prices every setting and its noise moves them all")
     parser.add_argument("--json", default=None, metavar="OUT.json")
     add_model_args(parser)
     try:
@@ -96,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         lm = load_model(args)
         print(f"{args.method} on {lm.name} ({lm.runner.device}), {len(rows)} prompts, {args.max_new_tokens} new "
               f"tokens, {len(grid)} settings", file=sys.stderr)
+        if args.repeats < 1:
+            raise SpecGUIError(f"--repeats must be at least 1, got {args.repeats}")
         results = measure(lm, rows, args.method, grid, args.max_new_tokens,
-                          progress=lambda entry, row: print(".", end="", file=sys.stderr, flush=True))
+                          progress=lambda entry, row: print(".", end="", file=sys.stderr, flush=True),
+                          repeats=args.repeats)
         print(file=sys.stderr)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -155,3 +155,9 @@ def test_grid_settings_and_measurement(tiny_lm):
     assert len(results) == 2 and all(r["identical"] == 2 == r["total"] for r in results)
     assert results[0]["speedup"] >= results[1]["speedup"] and set(results[0]["categories"]) == {"x", "y"}
     assert "speedup" in grid.format_table(results)
+    calls = {1: 0, 2: 0}
+    for repeats in calls:
+        def count(entry, row, repeats=repeats):
+            calls[repeats] += 1
+        grid.measure(tiny_lm, rows[:1], "selfdraft", [{"use_corpus": False}], 6, progress=count, repeats=repeats)
+    assert calls[2] > calls[1] > 0  # every (prompt, setting) pair runs again
