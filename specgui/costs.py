@@ -319,7 +319,6 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
     tokens = torch.randint(0, vocab, (contexts[-1] + SIZES[-1],), generator=torch.Generator().manual_seed(0))
     sync = _sync(runner.device)
     forward: list[list[float]] = []
-    one_token: list[Callable[[], Any]] = []  # per context, a one-token forward: what a plain step is timed beside
     with torch.inference_mode():
         for c in contexts:
             cache = fastpath.cache_for(runner, c + SIZES[-1]) if fast_path else KVCache()
@@ -327,11 +326,12 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
             calls = [lambda t=t, c=c, cache=cache: runner.forward(tokens[c : c + t], torch.arange(c, c + t),
                                                                     cache.view(c)) for t in SIZES]
             forward.append(_medians_ms(calls, sync))
-            one_token.append(calls[0])
+            if c == contexts[0]:
+                one_token = calls[0]  # a one-token forward at the short context: what a plain step is timed beside
         attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync, fast_path)
     profile = CostProfile(key=profile_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward,
                           step=0.0, attn=attn, mlp=mlp, head=head)
-    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run, beside=one_token[0])
+    profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run, beside=one_token)
     profile.measure_s = time.perf_counter() - started
     profile.measured_at = time.time()
     return profile

@@ -94,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         methods.get(args.method)
+        if args.repeats < 1:
+            raise SpecGUIError(f"--repeats must be at least 1, got {args.repeats}")
         grid = settings(args.grid, args.set)
         rows = select(load_prompts(args.prompts), args.categories.split(",") if args.categories else None,
                       args.limit or None)
         lm = load_model(args)
         print(f"{args.method} on {lm.name} ({lm.runner.device}), {len(rows)} prompts, {args.max_new_tokens} new "
               f"tokens, {len(grid)} settings", file=sys.stderr)
-        if args.repeats < 1:
-            raise SpecGUIError(f"--repeats must be at least 1, got {args.repeats}")
         results = measure(lm, rows, args.method, grid, args.max_new_tokens,
                           progress=lambda entry, row: print(".", end="", file=sys.stderr, flush=True),
                           repeats=args.repeats)

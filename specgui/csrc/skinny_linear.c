@@ -394,7 +394,8 @@ static void softmax(float *s, long n) {
 /* o[i][d] += p[i][j] v_j[d] for NP outputs over columns j in [j0, j1) in order (v_j = v + (list ? list[j] : j) D):
    each value vector is read once for all NP outputs (heads and rows sharing the column) and streamed in column
    order, prefetched a few columns ahead, while the NP outputs' sums stay in registers, SPAN vectors of d at a time
-   (a 64-wide head in one span with AVX-512). Every o[i][d] is summed over j in order. */
+   (a 64-wide head in one span with AVX-512), then single vectors, then a scalar tail. Every o[i][d] is summed over
+   j in order. */
 #ifdef __AVX512F__
 #define SPAN 4
 #define VALUE_GROUP 5
@@ -403,42 +404,36 @@ static void softmax(float *s, long n) {
 #define VALUE_GROUP 4
 #endif
 #define VALUE_AHEAD 8 /* columns */
+#define VALUE_COLUMN(j) (v + (list ? list[j] : (j)) * D)
+/* the sums over d in [d, d + S LANES) of NP outputs, S vectors wide; d advances past them */
+#define VALUE_SPANS(NP, S)                                                                                   \
+    for (; d + S * LANES <= D; d += S * LANES) {                                                             \
+        vec acc[NP][S];                                                                                      \
+        for (int i = 0; i < NP; i++)                                                                         \
+            for (int c = 0; c < S; c++) acc[i][c] = vload(o[i] + d + c * LANES);                             \
+        for (long j = j0; j < j1; j++) {                                                                     \
+            if (j + VALUE_AHEAD < j1)                                                                        \
+                for (int c = 0; c < S * LANES; c += 16)                                                      \
+                    _mm_prefetch((const char *)(VALUE_COLUMN(j + VALUE_AHEAD) + d + c), _MM_HINT_T0);        \
+            vec x[S];                                                                                        \
+            for (int c = 0; c < S; c++) x[c] = vload(VALUE_COLUMN(j) + d + c * LANES);                             \
+            for (int i = 0; i < NP; i++) {                                                                   \
+                vec pv = vset1(p[i][j]);                                                                     \
+                for (int c = 0; c < S; c++) acc[i][c] = vfma(pv, x[c], acc[i][c]);                           \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int i = 0; i < NP; i++)                                                                         \
+            for (int c = 0; c < S; c++) vstore(o[i] + d + c * LANES, acc[i][c]);                             \
+    }
 #define VALUE_SUMS(NP)                                                                                       \
     static void value_sums_##NP(float *const *o, const float *const *p, const float *v, const long *list,    \
                                 long j0, long j1, long D) {                                                \
         long d = 0;                                                                                          \
-        for (; d + SPAN * LANES <= D; d += SPAN * LANES) {                                                   \
-            vec acc[NP][SPAN];                                                                               \
-            for (int i = 0; i < NP; i++)                                                                     \
-                for (int c = 0; c < SPAN; c++) acc[i][c] = vload(o[i] + d + c * LANES);                      \
-            for (long j = j0; j < j1; j++) {                                                                 \
-                const float *vj = v + (list ? list[j] : j) * D + d;                                          \
-                if (j + VALUE_AHEAD < j1)                                                                    \
-                    for (int c = 0; c < SPAN * LANES; c += 16)                                               \
-                        _mm_prefetch((const char *)(v + (list ? list[j + VALUE_AHEAD] : j + VALUE_AHEAD) * D \
-                                                    + d + c), _MM_HINT_T0);                                  \
-                vec x[SPAN];                                                                                 \
-                for (int c = 0; c < SPAN; c++) x[c] = vload(vj + c * LANES);                                 \
-                for (int i = 0; i < NP; i++) {                                                               \
-                    vec pv = vset1(p[i][j]);                                                                 \
-                    for (int c = 0; c < SPAN; c++) acc[i][c] = vfma(pv, x[c], acc[i][c]);                    \
-                }                                                                                            \
-            }                                                                                                \
-            for (int i = 0; i < NP; i++)                                                                     \
-                for (int c = 0; c < SPAN; c++) vstore(o[i] + d + c * LANES, acc[i][c]);                      \
-        }                                                                                                    \
-        for (; d + LANES <= D; d += LANES) {                                                                 \
-            vec acc[NP];                                                                                     \
-            for (int i = 0; i < NP; i++) acc[i] = vload(o[i] + d);                                           \
-            for (long j = j0; j < j1; j++) {                                                                 \
-                vec x = vload(v + (list ? list[j] : j) * D + d);                                             \
-                for (int i = 0; i < NP; i++) acc[i] = vfma(vset1(p[i][j]), x, acc[i]);                       \
-            }                                                                                                \
-            for (int i = 0; i < NP; i++) vstore(o[i] + d, acc[i]);                                           \
-        }                                                                                                    \
+        VALUE_SPANS(NP, SPAN)                                                                                \
+        VALUE_SPANS(NP, 1)                                                                                   \
         for (; d < D; d++)                                                                                   \
             for (long j = j0; j < j1; j++)                                                                   \
-                for (int i = 0; i < NP; i++) o[i][d] += p[i][j] * v[(list ? list[j] : j) * D + d];           \
+                for (int i = 0; i < NP; i++) o[i][d] += p[i][j] * VALUE_COLUMN(j)[d];                              \
     }
 VALUE_SUMS(1) VALUE_SUMS(2) VALUE_SUMS(3) VALUE_SUMS(4) VALUE_SUMS(5)
 typedef void (*value_sums_fn)(float *const *, const float *const *, const float *, const long *, long, long, long);

@@ -320,6 +320,7 @@ class Fractal(Drafter):
         prefix = torch.arange(context) % int(runner.config.vocab_size)
         positions = torch.arange(context, context + rows)
         ids = prefix[:rows].view(1, -1).to(runner.embed_device)
+        view = state.cache.view(context)  # read once the prefix below is in the cache
 
         def whole_pass() -> None:  # as a splice runs it: its own pass state (positions, rotary tables), embedding
             step = runner.new_pass(positions, view)
@@ -327,7 +328,6 @@ class Fractal(Drafter):
 
         with torch.inference_mode():
             runner.forward(prefix, torch.arange(context), state.cache)
-            view = state.cache.view(context)
             ms = beside_forward_ms(state.profile, whole_pass, lambda: runner.forward(prefix[:rows], positions, view),
                                    rows, context, runner.device)
         state.cache.crop(0)
