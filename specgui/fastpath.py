@@ -219,6 +219,10 @@ class StaticKVCache(KVCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("a StaticKVCache is written by fast-path passes (runner.new_pass), not directly")
 
+    def slot(self, layer: int, rows: int) -> None:
+        """No room for a one-call layer (`KVCache.slot`): fast-path passes write this cache, as `update` says."""
+        return None
+
     def inputs_for(self, rows: int) -> BucketInputs:
         """The persistent inputs of a bucket (made on first use); a larger forward gets its own, once."""
         if bucket(rows) != rows:
@@ -468,6 +472,10 @@ class StaticPass(Pass):
         if kind == ATTN and self.writes:
             self.store.lengths[layer] = self.layouts[layer].offset + self.length
         return out
+
+    def one_call(self, h: torch.Tensor, layer: int, module: nn.Module | None = None) -> None:
+        """None: a layer here is its two sub-layers' programs."""
+        return None
 
     def lasting(self, h: torch.Tensor) -> torch.Tensor:
         return h.clone()  # program outputs are overwritten when the program runs again

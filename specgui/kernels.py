@@ -254,7 +254,8 @@ def skinny_library() -> ctypes.CDLL | None:
     pointer, number, threads = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # a layer's plan: its address
     for name, arguments in (("layer_attention_in", [pointer] * 5 + [number, threads]),
                             ("layer_attention_out", [pointer] * 6 + [number, number, pointer, number, threads]),
-                            ("layer_mlp", [pointer] * 3 + [number, threads])):
+                            ("layer_mlp", [pointer] * 3 + [number, threads]),
+                            ("layer_forward", [pointer] * 7 + [number, number, pointer, number, threads])):
         getattr(library, name).argtypes = arguments
         getattr(library, name).restype = ctypes.c_int
     return library

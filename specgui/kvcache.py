@@ -47,7 +47,9 @@ class Layout:
 
 class Cache(Protocol):
     """What a forward calls on a cache: its attention modules `update` and `get_seq_length` (transformers'
-    interface, the part used), the runner its `layout` for masks, drafters `view` for read-only passes."""
+    interface, the part used), the runner its `layout` for masks, drafters `view` for read-only passes. A cache that
+    keeps its keys in buffers may also offer `slot` (`KVCache.slot`): where a layer run as one C call
+    (`specgui.cpu_layers`) writes its new keys and values itself."""
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions held for layer `layer_idx`."""
@@ -93,21 +95,31 @@ class KVCache:
             self.keys.append(None)
             self.values.append(None)
             self.lengths.append(0)
-        start = self.lengths[layer_idx]
-        end = start + keys.shape[-2]
-        buf = self.keys[layer_idx]
-        if buf is None or end > buf.shape[-2]:
-            self._grow(layer_idx, end, keys, values)
-        self.keys[layer_idx][..., start:end, :] = keys
-        self.values[layer_idx][..., start:end, :] = values
-        self.lengths[layer_idx] = end
-        return self.keys[layer_idx][..., :end, :], self.values[layer_idx][..., :end, :]
+        if self.keys[layer_idx] is None:
+            self._grow(layer_idx, keys.shape[-2], keys, values)
+        return _write(self.slot(layer_idx, keys.shape[-2]), keys, values)
 
-    def _grow(self, layer: int, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def slot(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Room in place for a forward's `rows` new keys and values in `layer`: (keys buffer, values buffer, start),
+        buffers [1, heads, capacity, dim] whose positions [start, start + rows) the forward fills and whose first
+        start + rows its attention reads; the layer holds start + rows positions from now on. None before the layer
+        has a buffer (`update` makes the first, shaped by the keys it is given)."""
+        if layer >= len(self.lengths) or self.keys[layer] is None:
+            return None
+        start = self.lengths[layer]
+        if start + rows > self.keys[layer].shape[-2]:
+            self._grow(layer, start + rows)
+        self.lengths[layer] = start + rows
+        return self.keys[layer], self.values[layer], start
+
+    def _grow(self, layer: int, needed: int, keys: torch.Tensor | None = None,
+              values: torch.Tensor | None = None) -> None:
+        """Room for `needed` positions in `layer`, shaped like its buffer (or, before it has one, like `keys`)."""
         old_k, old_v = self.keys[layer], self.values[layer]
+        like_k, like_v = (keys, values) if old_k is None else (old_k, old_v)
         capacity = max(MIN_CAPACITY, needed, 2 * (old_k.shape[-2] if old_k is not None else 0))
-        new_k = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]))
-        new_v = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]))
+        new_k = like_k.new_empty((*like_k.shape[:-2], capacity, like_k.shape[-1]))
+        new_v = like_v.new_empty((*like_v.shape[:-2], capacity, like_v.shape[-1]))
         n = self.lengths[layer]
         if old_k is not None and n:
             new_k[..., :n, :] = old_k[..., :n, :]
@@ -169,16 +181,32 @@ class FrozenView:
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's keys/values followed by the new ones; the cache's lengths are not changed."""
-        cache = self.cache
-        n = self.get_seq_length(layer_idx)
+        room = self.slot(layer_idx, keys.shape[-2])
+        if room is not None:
+            return _write(room, keys, values)
+        cache, n = self.cache, self.get_seq_length(layer_idx)
         if n == 0:
             return keys, values
-        if not (self.scratch or n == cache.lengths[layer_idx]):
-            return (torch.cat([cache.keys[layer_idx][..., :n, :], keys], dim=-2),
-                    torch.cat([cache.values[layer_idx][..., :n, :], values], dim=-2))
-        end = n + keys.shape[-2]
-        if end > cache.keys[layer_idx].shape[-2]:
-            cache._grow(layer_idx, end, keys, values)
-        cache.keys[layer_idx][..., n:end, :] = keys
-        cache.values[layer_idx][..., n:end, :] = values
-        return cache.keys[layer_idx][..., :end, :], cache.values[layer_idx][..., :end, :]
+        return (torch.cat([cache.keys[layer_idx][..., :n, :], keys], dim=-2),
+                torch.cat([cache.values[layer_idx][..., :n, :], values], dim=-2))
+
+    def slot(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """As `KVCache.slot`, past the window, the cache's lengths unchanged; None where nothing is cached in the
+        layer, or where live positions lie past the window (then `update` joins the window and the new keys in a
+        copy)."""
+        cache, n = self.cache, self.get_seq_length(layer)
+        if n == 0 or not (self.scratch or n == cache.lengths[layer]):
+            return None
+        if n + rows > cache.keys[layer].shape[-2]:
+            cache._grow(layer, n + rows)
+        return cache.keys[layer], cache.values[layer], n
+
+
+def _write(room: tuple[torch.Tensor, torch.Tensor, int], keys: torch.Tensor,
+           values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write new keys/values into a `slot`'s room; return what attention reads there (the buffers up to them)."""
+    key_buffer, value_buffer, start = room
+    end = start + keys.shape[-2]
+    key_buffer[..., start:end, :] = keys
+    value_buffer[..., start:end, :] = values
+    return key_buffer[..., :end, :], value_buffer[..., :end, :]

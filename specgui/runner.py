@@ -171,9 +171,11 @@ class Runner:
         for layer in range(self.num_layers):
             if pre_layer is not None:
                 h = pre_layer(layer, h, step)
-            for kind in (ATTN, MLP):
-                if skip is not None and skip.skips(layer, kind):
-                    continue
+            kinds = [kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind)]
+            if observer is None and len(kinds) == 2:
+                h = step.run_layer(h, layer)
+                continue
+            for kind in kinds:
                 h = step.run_unit(h, layer, kind)
                 if observer is not None:
                     observer(unit_index(layer, kind), step.lasting(h))
@@ -251,6 +253,22 @@ class Pass:
         mask = self.mask(layer, device) if kind == ATTN else None
         rope = self.rope(device) if kind == ATTN else None
         return sublayer(block, kind, h, rope, mask, self.positions.to(device), self.cache)
+
+    def run_layer(self, h: torch.Tensor, layer: int, module: nn.Module | None = None) -> torch.Tensor:
+        """Both sub-layers of `runner.layers[layer]` (or of `module` standing in for it, as in `run_unit`): as one
+        call where this path has one (`one_call`), else the two sub-layers."""
+        out = self.one_call(h, layer, module)
+        return out if out is not None else self.run_unit(self.run_unit(h, layer, ATTN, module), layer, MLP, module)
+
+    def one_call(self, h: torch.Tensor, layer: int, module: nn.Module | None = None) -> torch.Tensor | None:
+        """The layer as one C call where it has a CPU plan that runs these rows and the cache has room for the new
+        keys in place (`specgui.cpu_layers.Plan.layer`); None, and nothing done, elsewhere."""
+        block = module if module is not None else self.runner.layers[layer]
+        plan, device = getattr(block, "cpu_plan", None), self.runner.layer_devices[layer]
+        if plan is None or h.device != device or getattr(self.cache, "slot", None) is None:
+            return None
+        mask = self.mask(layer, device)
+        return plan.layer(h, self.rope(device), mask, self.cache) if plan.runs(h, mask) else None
 
     def lasting(self, h: torch.Tensor) -> torch.Tensor:
         """`h` as returned by `run_unit`, made safe to keep past the next sub-layer (here it already is)."""

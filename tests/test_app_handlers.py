@@ -15,7 +15,7 @@ import gradio as gr
 import psutil
 import pytest
 from transformers import GPT2Config
-from ui_helpers import holding, prefill, run, shown, start, step
+from ui_helpers import holding, prefill, run, shown, slowed, start, step
 
 from specgui.events import MAX_TRACE_BYTES, Summary, dumps_trace, load_trace, save_trace
 from specgui.ui import page as page_module
@@ -374,7 +374,8 @@ def test_hostile_token_text_from_a_trace_is_shown_as_text(app, tmp_path):
 # -- Stop, and memory -------------------------------------------------------------------------------------------
 
 
-def test_stop_ends_the_run_frees_the_slot_and_the_next_run_completes(app):
+def test_stop_ends_the_run_frees_the_slot_and_the_next_run_completes(app, tiny_lm, monkeypatch):
+    slowed(tiny_lm, monkeypatch)  # 1000 tokens outlast the first frame on any machine
     frames = page_run(app, method="baseline", max_new=1000)
     updates = []
     for update in frames:

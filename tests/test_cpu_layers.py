@@ -7,6 +7,7 @@ import torch
 
 from specgui import cpu_layers, decode, kernels
 from specgui.kvcache import FrozenView, KVCache
+from specgui.runner import ATTN, MLP
 from tests.helpers import tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.skinny_library() is None, reason="no C compiler or no AVX2 here")
@@ -89,6 +90,42 @@ def test_long_rows_equal_plain_steps_and_the_modules(skinny_build, hidden):
             modules = runner.forward(ids[prefix:], torch.arange(prefix, prefix + rows), cache.view(prefix))
     assert torch.equal(together, steps)
     assert torch.allclose(together, modules, atol=1e-4), (together - modules).abs().max()
+
+
+@pytest.mark.parametrize("window", ["causal rows", "tree", "scratch view", "view with live positions past it"])
+def test_a_layer_as_one_call_equals_its_two_sub_layers(monkeypatch, window):
+    """`Pass.run_layer` as one C call, which writes the new keys and values into the cache's buffers itself, against
+    the two sub-layer calls with the cache's own update between them: the same states and the same cache, bit for
+    bit. Where live positions lie past a view the cache has no room in place: nothing is written, the sub-layers
+    run."""
+    lm = tiny_model(seed=9)
+    runner = lm.runner
+    one_call = window != "view with live positions past it"
+
+    def run(whole: bool, cache: KVCache) -> torch.Tensor:
+        target = {"scratch view": cache.view(7, scratch=True), "view with live positions past it": cache.view(7)}
+        target = target.get(window, cache)
+        first = target.get_seq_length(0)
+        step = runner.new_pass(torch.arange(first, first + 4), target, TREE if window == "tree" else None)
+        h = runner.embed(IDS[9:13].view(1, -1))
+        for layer in range(runner.num_layers):
+            h = step.run_layer(h, layer) if whole else step.run_unit(step.run_unit(h, layer, ATTN), layer, MLP)
+        return h
+
+    with torch.inference_mode():
+        split_cache, whole_cache = KVCache(), KVCache()
+        for cache in (split_cache, whole_cache):
+            runner.forward(IDS[:9], torch.arange(9), cache)
+        split = run(False, split_cache)
+        if one_call:  # the sub-layers may not run
+            monkeypatch.setattr(cpu_layers.Plan, "attention", lambda *a: pytest.fail("a sub-layer ran"))
+        whole = run(True, whole_cache)
+    assert torch.equal(whole, split)
+    assert whole_cache.lengths == split_cache.lengths
+    for layer in range(runner.num_layers):
+        for got, want in ((whole_cache.keys, split_cache.keys), (whole_cache.values, split_cache.values)):
+            n = max(whole_cache.lengths[layer], 11 if window == "scratch view" else 0)  # a scratch pass writes past
+            assert torch.equal(got[layer][..., :n, :], want[layer][..., :n, :])
 
 
 def test_transformers_forward_and_generate_run_the_layers():

@@ -7,7 +7,7 @@ import pytest
 from helpers import baseline_run, tiny_model
 from specgui import decode, methods
 from specgui.costs import CostProfile
-from specgui.methods.policy import MARGIN, PRIOR_ALPHA, DraftPolicy
+from specgui.methods.policy import MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -130,6 +130,17 @@ def test_no_probes_where_even_the_priors_acceptance_would_lose():
     assert "probe" in {policy.choose(lambda n: 12.0, 10.0).mode for _ in range(20)}  # cheaper: worth probing
 
 
+def test_a_pause_for_good_stands_unpriced_for_a_while():
+    """A hopeless pause is priced again only every RECHECK steps (what a paused step costs is its method's loss)."""
+    policy = DraftPolicy([1, 2])
+    for _ in range(40):
+        policy.learn(path=[], verified=2, exhausted=False)
+    priced: list[int] = []
+    plans = [policy.choose(lambda n: priced.append(n) or 30.0, 10.0) for _ in range(2 * RECHECK + 1)]
+    assert all(p.hopeless for p in plans)
+    assert priced == [1, 2] * 3  # at steps 0, RECHECK and 2 RECHECK
+
+
 def test_swift_searches_only_where_a_draft_could_pay():
     """SWIFT's proposals each cost a scoring forward: where no draft could pay even at the prior's acceptance
     (a dear profile) none is scored; where drafts may pay (a cheap one) the search runs as before."""
@@ -165,6 +176,28 @@ def test_layer_skip_pauses_where_a_draft_token_costs_a_forward(tiny_lm):
     assert again.token_ids == result.token_ids == baseline_run(tiny_lm, PROMPT, 40).token_ids
     assert sum(s.drafted for s in again.steps) > sum(s.drafted for s in result.steps)
     assert measured_nothing(dear, cheap)
+
+
+def test_a_hopeless_clasp_records_no_states(tiny_lm, monkeypatch):
+    """Paused for good (no draft could pay at the prior's acceptance), CLaSp's verify forwards carry no recorder, so
+    they run the layers without an observer (one C call each on a CPU); the prompt's forward still records."""
+    observers: list[tuple[int, bool]] = []
+    forward = tiny_lm.runner.forward
+
+    def spy(tokens, positions, cache, **kwargs):
+        observers.append((int(positions[0]), kwargs.get("observer") is not None))
+        return forward(tokens, positions, cache, **kwargs)
+
+    monkeypatch.setattr(tiny_lm.runner, "forward", spy)
+    dear = profile([10.0 * (1 + 0.5 * i) for i in range(8)], unit=0.0)
+    result = decode.run(tiny_lm, PROMPT, "clasp", max_new_tokens=12, profile=dear)
+    assert {s.payload["plan"]["mode"] for s in result.steps} == {"paused"}
+    recorded = [on for start, on in observers if start >= len(PROMPT)]
+    hopeless = [s.payload["plan"].get("prior", 1.0) < 1 for s in result.steps]  # the last: the budget's end
+    assert len(recorded) == len(hopeless) and sum(hopeless) == len(hopeless) - 1
+    assert not any(on for on, paused_for_good in zip(recorded, hopeless) if paused_for_good)
+    assert (0, True) in observers  # the prefill recorded (a first search would read it)
+    assert result.token_ids == baseline_run(tiny_lm, PROMPT, 12).token_ids
 
 
 def test_predicted_speedup_of_a_run_prices_its_steps():

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ui_helpers import prefill, run, start, step
+from ui_helpers import prefill, run, slowed, start, step
 
 from helpers import tiny_model
 from specgui import costs, decode
@@ -103,11 +103,12 @@ def test_baseline_as_the_method_is_a_noise_check_against_a_fresh_baseline(store)
     assert shape(baseline) == shape(method)  # the same decode, timed twice
 
 
-def test_stop_ends_the_method_run_and_skips_baseline(store):
+def test_stop_ends_the_method_run_and_skips_baseline(store, tiny_lm, monkeypatch):
     stop, cache = threading.Event(), BaselineCache()
     ticks = []
-    # baseline: one token a forward, so 1000 tokens outlast the first 0.5 s batch even on a quiet machine
+    # baseline: one token a forward, each at least 2 ms, so 1000 tokens outlast the first 0.5 s batch on any machine
     # (pld on this repetitive prompt finished 800 before the stop arrived)
+    slowed(tiny_lm, monkeypatch)
     for tick in runs.live(store, cache, request("baseline", max_new_tokens=1000), stop):
         ticks.append(tick)
         if tick.pane == METHOD and tick.events:

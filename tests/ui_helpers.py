@@ -4,6 +4,7 @@ and the app served on a free port."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -87,3 +88,15 @@ def served(lm: LoadedModel) -> Iterator[tuple[App, str]]:
         yield app, f"http://127.0.0.1:{port}/"
     finally:
         demo.close()
+
+
+def slowed(lm: LoadedModel, monkeypatch: Any, seconds: float = 0.002) -> None:
+    """Every forward of `lm` at least `seconds` long, so that a run of many tokens outlasts the page's first frame on
+    any machine (a tiny model on a fast one decoded 1000 tokens inside it, and a stop came after the end)."""
+    forward = lm.runner.forward
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm.runner, "forward", slow)

@@ -66,7 +66,7 @@ from torch import nn
 
 from specgui import cpu_layers, kernels
 from specgui.errors import SpecGUIError
-from specgui.runner import ATTN, MLP, Pass, Runner, execution_device
+from specgui.runner import Pass, Runner, execution_device
 
 BACKENDS = ("auto", "torch-int8", "torch-fp16", "bnb-int8", "int8-weight-only", "fp8", "bnb-nf4")
 CUDA_BACKENDS = ("bnb-int8", "int8-weight-only", "fp8", "bnb-nf4")
@@ -286,8 +286,7 @@ class CompressedModel:
     def run(self, step: Pass, h: torch.Tensor, layers: range) -> torch.Tensor:
         """Run the compressed copies of `layers` on hidden states [1, T, H] within pass `step`."""
         for layer in layers:
-            for kind in (ATTN, MLP):
-                h = step.run_unit(h, layer, kind, module=self.layers[layer])
+            h = step.run_layer(h, layer, module=self.layers[layer])
         return h
 
 
