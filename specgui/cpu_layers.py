@@ -16,9 +16,9 @@ so a verify forward's rows equal the plain steps that produce the same tokens bi
 forward through it, so transformers' `generate` runs what SpecGUI's loop runs (`runner.sublayer` calls the two
 units itself: methods skip, observe and splice sub-layers); comparisons stay like for like. It comes with the
 skinny kernel (`--small-batch-matmul off` measures without either). What a plan does not cover runs transformers'
-modules: more than `kernels.MAX_ROWS` rows (a long prompt's prefill), a float mask (eager attention), a batch,
-gradients, another device or dtype, attention weights asked for, layers of another shape (q/k norms, biases are
-fine).
+modules: more than `kernels.MAX_ROWS` rows (a long prompt's prefill), a prompt of more than `PROMPT_ROWS` rows, a
+float mask (eager attention), a batch, gradients, another device or dtype, attention weights asked for, layers of
+another shape (q/k norms, biases are fine).
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ from specgui import kernels
 WEIGHT_TYPES = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # the C file's `enum weights`
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
 _SUSPENDED = [False]  # `suspended()`: every layer runs its modules (comparisons in tests)
+# A forward of more rows than this with nothing cached before them (a prompt's prefill) runs the modules: there the
+# products are bound by arithmetic, where BLAS beats the skinny kernel (AMD EPYC, two threads, the embedded model's
+# prefill: 16 rows 43 ms in C against 53, 32 rows 80 against 77, 41 rows 105 against 88, 64 rows 155 against 128).
+# Verify forwards always follow a prefix and keep the C layers at any row count up to `kernels.MAX_ROWS`: their rows
+# must equal plain steps bit for bit; a prompt's numbers only need to be the same for every method, and are.
+PROMPT_ROWS = 24
 
 
 class _Linear(ctypes.Structure):
@@ -90,8 +96,9 @@ class Plan:
 
     def runs(self, h: torch.Tensor, mask: torch.Tensor | None) -> bool:
         """Whether `attention` and `mlp` compute a sub-layer over hidden states `h` [1, T, H] with `mask` (None:
-        causal): the C library, fp32 rows on the CPU, at most `kernels.MAX_ROWS` of them, no batch, no gradients, a
-        bool mask, and every weight on the CPU in a type the C code takes (its struct rebuilt if a weight moved)."""
+        causal): the C library, fp32 rows on the CPU, at most `kernels.MAX_ROWS` of them (`PROMPT_ROWS` for a
+        prompt), no batch, no gradients, a bool mask, and every weight on the CPU in a type the C code takes (its
+        struct rebuilt if a weight moved)."""
         if not covers(h, mask):
             return False
         addresses = tuple(t.data_ptr() for t in self._tensors)
@@ -172,9 +179,14 @@ class Plan:
 
 
 def covers(h: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether hidden states `h` [1, T, H] and `mask` are of the kind the C units take (see `Plan.runs`)."""
-    return (not _SUSPENDED[0] and h.device.type == "cpu" and h.dtype == torch.float32 and h.dim() == 3
-            and h.shape[0] == 1 and 1 <= h.shape[1] <= kernels.MAX_ROWS and not h.requires_grad
+    """Whether hidden states `h` [1, T, H] and `mask` are of the kind the C units take (see `Plan.runs`). A prompt:
+    rows that see no cached column, a mask as wide as its rows or none over several rows (transformers passes none
+    where every key is a new row's)."""
+    if _SUSPENDED[0] or h.device.type != "cpu" or h.dtype != torch.float32 or h.dim() != 3 or h.requires_grad:
+        return False
+    rows = h.shape[1]
+    prompt = rows > PROMPT_ROWS and (mask is None or mask.shape[-1] == rows)
+    return (h.shape[0] == 1 and 1 <= rows <= kernels.MAX_ROWS and not prompt
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:2] == (1, 1))))
 
 

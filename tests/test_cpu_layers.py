@@ -177,6 +177,34 @@ def test_layers_of_another_kind_keep_their_modules(case):
     assert cpu_layers.signature(lm.model) == "modules"
 
 
+def test_a_long_prompt_runs_the_modules_and_as_long_a_verify_the_layers(monkeypatch):
+    """More than `PROMPT_ROWS` rows that see no cached column (a prompt, through SpecGUI's loop or transformers' own
+    forward) run the modules, where BLAS is faster; as many rows over a cached prefix (a verify, whose rows must equal
+    plain steps bit for bit) and a shorter prompt run the C layers."""
+    lm = tiny_model(seed=8)
+    verdicts: list[tuple[int, bool]] = []
+    runs = cpu_layers.Plan.runs
+
+    def spy(self, h, mask):
+        verdicts.append((h.shape[1], runs(self, h, mask)))
+        return verdicts[-1][1]
+
+    monkeypatch.setattr(cpu_layers.Plan, "runs", spy)
+    long, short = cpu_layers.PROMPT_ROWS + 6, cpu_layers.PROMPT_ROWS
+    ids = torch.arange(2 * long) % 40
+    with torch.inference_mode():
+        cache = KVCache()
+        lm.runner.forward(ids[:long], torch.arange(long), cache)
+        assert {v for v in verdicts} == {(long, False)}
+        verdicts.clear()
+        lm.runner.forward(ids[long:], torch.arange(long, 2 * long), cache)
+        assert {v for v in verdicts} == {(long, True)}
+        verdicts.clear()
+        lm.runner.forward(ids[:short], torch.arange(short), KVCache())
+        lm.model(ids[:long].view(1, -1))
+    assert {v for v in verdicts} == {(short, True), (long, False)}
+
+
 def test_rows_past_the_limit_run_the_modules():
     """A prefill longer than `kernels.MAX_ROWS` runs transformers' modules (the C products are for a few rows)."""
     lm = tiny_model(seed=8)
