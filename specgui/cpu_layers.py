@@ -44,6 +44,7 @@ _SUSPENDED = [False]  # `suspended()`: every layer runs its modules (comparisons
 # Verify forwards always follow a prefix and keep the C layers at any row count up to `kernels.MAX_ROWS`: their rows
 # must equal plain steps bit for bit; a prompt's numbers only need to be the same for every method, and are.
 PROMPT_ROWS = 24
+MAX_HEAD_DIM = 256  # the C file's MAX_HEAD_DIM: its attention lays a block of keys out on the stack, this wide at most
 
 
 class _Linear(ctypes.Structure):
@@ -243,8 +244,9 @@ def target_plan(layer: nn.Module) -> Plan | None:
 
 def llama_shaped(heads: int, kv_heads: int, head_dim: int, act_fn: nn.Module | None) -> bool:
     """Whether the C layer computes this shape: query heads a multiple of the key/value heads, an even head width
-    (rotate-half rotary), a SiLU-gated MLP (q/k norms are the caller's to rule out)."""
-    return heads % kv_heads == 0 and head_dim % 2 == 0 and type(act_fn).__name__ in ("SiLUActivation", "SiLU")
+    (rotate-half rotary) of at most `MAX_HEAD_DIM`, a SiLU-gated MLP (q/k norms are the caller's to rule out)."""
+    return (heads % kv_heads == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
+            and type(act_fn).__name__ in ("SiLUActivation", "SiLU"))
 
 
 def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
