@@ -192,7 +192,7 @@ def bench(
 
 def _profile_json(profile: CostProfile) -> dict[str, Any]:
     """The profile as JSON; its file as "file", since a "path" key makes gradio's client fetch it as an upload."""
-    data = dataclasses.asdict(profile)
+    data = profile.to_dict()
     data["file"] = data.pop("path")
     return data
 

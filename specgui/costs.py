@@ -29,6 +29,13 @@ Predictions: a step that drafts with extra work `extra_ms` and verifies `rows` t
 `extra_ms + verify_ms(rows)`, where `verify_ms` is the forward plus the loop's own per-step cost; it pays
 off when tau / (its cost / `step`) > 1, i.e. when tau exceeds the break-even tau (its cost / `step`).
 
+What the steps then measure corrects those prices (`Calibration`, one per profile in a process): a profile is a
+few seconds of one moment, and on a shared CPU the moment moves (one-row forwards of 15.9 and 26.1 ms minutes
+apart, AMD EPYC) and moves the shape of the curve with it (in a fast moment the extra rows' arithmetic shows, in a
+slow one the weights' traffic hides it): the profile of 09:24 UTC priced an 8-row verify 1.09x a plain step where
+the decode loop's 8-row verifies measured 1.47x (prompt lookup, held-out prompts), and drafts sized by it drafted
+more than paid.
+
 The plain step is timed by running the decode loop, which is handed in (`Decode`, `specgui.decode.run`;
 `decode` hands itself over on import through `use_decoder`), so this module imports nothing above the parts
 it measures.
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -67,6 +75,10 @@ REPEATS = 5  # each figure is the median of this many timed calls, after one war
 # the two CI CPUs the field guide measured differ by 1.75x in a one-token forward (33.6 vs 59.0 ms), which
 # this bound catches.
 TOLERANCE = 1.5
+CALIBRATION_DECAY = 0.9  # weight of a step's predecessors in a calibration ratio, per new step of its kind
+CALIBRATION_PRIOR = 0.25  # a ratio starts from what the other row counts show, with this many steps' weight
+CALIBRATION_CLIP = math.log(2.0)  # an observation counts as at most this far (in log) from the ratio it meets
+WORK_SHARE = 0.1  # a step's own work below this share of its verify's price teaches the verify ratio
 _PROFILES: weakref.WeakKeyDictionary[Runner, dict[bool, CostProfile]] = weakref.WeakKeyDictionary()
 _BY_FILE: dict[str, CostProfile] = {}  # every profile this process measured or checked, by file: one per shape
 Decode = Callable[..., Any]  # `specgui.decode.run`: (lm, prompt ids, method, **options) -> a result with `steps`
@@ -89,6 +101,8 @@ class CostProfile:
     measure_s: float = 0.0
     path: str = ""  # where it is saved ("" for none)
     measured_at: float = 0.0  # when it was measured (Unix time; 0: unknown, e.g. built by hand)
+    # what this process's steps measured against these prices (never saved: a property of the moment)
+    calibration: Calibration = field(default_factory=lambda: Calibration(), init=False, repr=False, compare=False)
 
     # -- predictions ----------------------------------------------------------------------------------------
 
@@ -131,6 +145,27 @@ class CostProfile:
         full = self.forward_ms(1, context)
         return max(self.head, full - saved * full / self.forward_ms(1, self.contexts[0]))
 
+    # -- what steps measured against these prices (`Calibration`) ------------------------------------------------
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether steps correct these prices: a measured profile's, not one built by hand (no moment to have drifted
+        from: a what-if price list, a replay's, a test's, taken as given)."""
+        return self.measured_at > 0
+
+    def verify_ratio(self, rows: int) -> float:
+        """What a verify of `rows` tokens has measured against its price, lately (1: as priced)."""
+        return self.calibration.verify_ratio(rows) if self.calibrated else 1.0
+
+    def work_ratio(self, method: str) -> float:
+        """What `method`'s own drafting work has measured against its price, lately (1: as priced)."""
+        return self.calibration.work_ratio(method) if self.calibrated else 1.0
+
+    def learn(self, method: str, rows: int, measured_ms: float, work_ms: float, verify_ms: float) -> None:
+        """Fold a decoded step into the calibration (`Calibration.learn`)."""
+        if self.calibrated:
+            self.calibration.learn(method, rows, measured_ms, work_ms, verify_ms)
+
     def mechanism(self, name: str, measure: Callable[[], float]) -> float:
         """The cost of a method's own mechanism `name` (ms), measured by `measure` on first use and saved (under
         the file's lock, taking what other processes sharing the file measured meanwhile)."""
@@ -156,6 +191,10 @@ class CostProfile:
 
     # -- storage --------------------------------------------------------------------------------------------
 
+    def to_dict(self) -> dict[str, Any]:
+        """The measured profile as plain data (what is saved; the process's calibration is not)."""
+        return {k: v for k, v in asdict(self).items() if k != "calibration"}
+
     def save(self) -> None:
         if not self.path:
             return
@@ -163,7 +202,7 @@ class CostProfile:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(asdict(self), indent=1), encoding="utf-8")
+            tmp.write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
             tmp.replace(target)
         except OSError:
             pass  # a read-only cache: the profile still serves this process
@@ -190,6 +229,65 @@ class CostProfile:
         if self.path:
             lines += ["", f"saved in {self.path}"]
         return "\n".join(lines)
+
+
+class Calibration:
+    """Measured against priced, learnt from every step a process decodes with one profile: a ratio per verify of
+    `rows` tokens (the forward and the loop, shared by every method: it is the machine's) and one per method for the
+    method's own drafting work (draft forwards, compressed passes, searches). Each is a decayed mean of log ratios
+    (`CALIBRATION_DECAY` per observation: about the last ten), each observation clipped to `CALIBRATION_CLIP`
+    either way of the ratio it meets (a stall or a page redraw is not a price), and shrunk by `CALIBRATION_PRIOR`
+    observations' weight towards what the other row counts show (linear in rows between them, flat beyond; none:
+    the profile as it is), so a row count never seen is priced by its neighbours' correction, not the profile's
+    moment.
+
+    A step whose own work is small beside its verify (`WORK_SHARE`) teaches the verify ratio of its rows, its work
+    taken at the method's ratio; any other step teaches the method's work ratio, its verify taken at the verify
+    ratio: the two never learn from the same step, so one cannot absorb the other's error and drift without bound.
+    """
+
+    def __init__(self) -> None:
+        self.verify: dict[int, tuple[float, float]] = {}  # rows -> (decayed sum of log ratios, decayed weight)
+        self.work: dict[str, tuple[float, float]] = {}  # method -> the same
+
+    def verify_ratio(self, rows: int) -> float:
+        """Measured over priced for a verify of `rows` tokens."""
+        others = sorted((r, s / w) for r, (s, w) in self.verify.items() if r != rows and w > 0)
+        prior = _level(others, rows)
+        s, w = self.verify.get(rows, (0.0, 0.0))
+        return math.exp((s + CALIBRATION_PRIOR * prior) / (w + CALIBRATION_PRIOR))
+
+    def work_ratio(self, method: str) -> float:
+        """Measured over priced for `method`'s own drafting work."""
+        s, w = self.work.get(method, (0.0, 0.0))
+        return math.exp(s / (w + CALIBRATION_PRIOR))
+
+    def learn(self, method: str, rows: int, measured_ms: float, work_ms: float, verify_ms: float) -> None:
+        """Fold in one step: `measured_ms` (its draft and verify phases) against the profile's prices of its own
+        work (`work_ms`) and of its verify over `rows` tokens (`verify_ms`)."""
+        if work_ms <= WORK_SHARE * verify_ms:
+            table, key, now = self.verify, rows, self.verify_ratio(rows)
+            part, priced = measured_ms - work_ms * self.work_ratio(method), verify_ms
+        else:
+            table, key, now = self.work, method, self.work_ratio(method)
+            part, priced = measured_ms - verify_ms * self.verify_ratio(rows), work_ms
+        if part <= 0 or priced <= 0:
+            return
+        sample = min(math.log(now) + CALIBRATION_CLIP, max(math.log(now) - CALIBRATION_CLIP, math.log(part / priced)))
+        s, w = table.get(key, (0.0, 0.0))
+        table[key] = (CALIBRATION_DECAY * s + sample, CALIBRATION_DECAY * w + 1.0)
+
+
+def _level(points: list[tuple[int, float]], x: int) -> float:
+    """Linear between the points (x ascending), flat beyond the first and the last; 0 with none."""
+    if not points:
+        return 0.0
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def describe_origin(device: str, measured_at: float) -> str:

@@ -119,7 +119,7 @@ def generate(
     if static and drafter.stand_ins():
         fastpath.warm_up(cache, drafter.stand_ins())  # before the clock starts: no capture is ever timed
     state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
-                        profile, tokenizer=lm.tokenizer)
+                        profile, tokenizer=lm.tokenizer, method=method)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
@@ -158,7 +158,8 @@ def generate(
             clock.mark()
             # 2. verify: one target forward over the pending token, the tree and any extras
             rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
-            predicted_ms = draft.cost_ms + state.verify_ms(rows)
+            predicted_ms = state.step_ms(draft.cost_ms, rows)
+            priced_verify_ms = profile.verify_ms(rows, state.committed)
             logits, extra_logits = _verify_forward(state, draft)
             verdict = verify(logits, draft, sampling, generator)
             # 3. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
@@ -169,7 +170,8 @@ def generate(
             state.tokens.extend(emitted)
             clock.mark()
             draft_ms, verify_ms = clock.read()  # the verdict has waited for the device: nothing stalls here
-            # 5. observe
+            # 5. observe (and the cost model learns what the step cost against what it priced)
+            profile.learn(method, rows, draft_ms + verify_ms, draft.cost_ms, priced_verify_ms)
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_logits=extra_logits,
                               draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}

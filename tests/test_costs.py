@@ -233,3 +233,41 @@ def test_mechanisms_measured_by_two_holders_of_one_file_are_both_kept(cache_dir)
     a.mechanism("x.one", lambda: 1.0)
     b.mechanism("x.two", lambda: 2.0)
     assert json.loads(Path(a.path).read_text())["mechanisms"] == {"x.one": 1.0, "x.two": 2.0}
+
+
+def test_calibration_learns_each_row_count_and_prices_the_unseen_by_their_neighbours():
+    cal = costs.Calibration()
+    assert cal.verify_ratio(5) == 1.0 and cal.work_ratio("pld") == 1.0  # nothing seen: the profile as it is
+    for _ in range(40):
+        cal.learn("pld", 1, measured_ms=10.0, work_ms=0.0, verify_ms=10.0)  # plain steps as priced
+        cal.learn("pld", 8, measured_ms=15.0, work_ms=0.0, verify_ms=10.0)  # 8 rows 1.5x their price
+    assert cal.verify_ratio(1) == pytest.approx(1.0, abs=0.02) and cal.verify_ratio(8) == pytest.approx(1.5, rel=0.02)
+    assert 1.15 < cal.verify_ratio(4) < 1.3  # between its neighbours (3/7 of the way in log ratio)
+    assert cal.verify_ratio(12) == pytest.approx(cal.verify_ratio(8), rel=0.02)  # flat beyond the last seen
+    assert cal.work_ratio("pld") == 1.0  # steps with no work of their own teach only the verify
+
+
+def test_calibration_keeps_a_methods_own_work_apart_and_clips_a_stall():
+    cal = costs.Calibration()
+    for _ in range(40):
+        cal.learn("fractal", 6, measured_ms=50.0, work_ms=20.0, verify_ms=20.0)  # its passes cost 30, priced 20
+    assert cal.work_ratio("fractal") == pytest.approx(1.5, rel=0.02) and cal.verify_ratio(6) == 1.0
+    assert cal.work_ratio("clasp") == 1.0  # another method's work: its own ratio
+    cal.learn("pld", 2, measured_ms=500.0, work_ms=0.0, verify_ms=10.0)  # a stall: counts as 2x at most
+    assert 1.0 < cal.verify_ratio(2) <= 2.0
+
+
+def test_steps_price_what_the_steps_before_them_measured(cache_dir):
+    """A profile that prices every forward a quarter of what it costs: the run's later steps are priced by what its
+    earlier ones measured, and the profile on disk keeps what was measured, not what the process learnt."""
+    lm = tiny_model(seed=4)
+    measured = costs.profile_for(lm, fast_path=False)
+    cheap = dataclasses.replace(measured, forward=[[ms / 4 for ms in row] for row in measured.forward],
+                                step=measured.step / 4, head=measured.head / 4, path="")
+    result = decode.run(lm, list(range(3, 40)), "baseline", max_new_tokens=40, profile=cheap)
+    first, late = result.steps[0], result.steps[-10:]
+    assert first.plain_ms == pytest.approx(cheap.plain_ms(first.index + 37), rel=0.3)
+    spent = sorted(s.draft_ms + s.verify_ms for s in late)[len(late) // 2]
+    assert sorted(s.predicted_ms for s in late)[len(late) // 2] > 2 * cheap.plain_ms(70)
+    assert spent / 2 < sorted(s.predicted_ms for s in late)[len(late) // 2] < spent * 2
+    assert "calibration" not in json.loads(Path(measured.path).read_text())

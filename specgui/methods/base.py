@@ -50,6 +50,7 @@ class DecodeState:
     profile: CostProfile | None = None  # measured costs that size drafts (None: no prediction, e.g. while measuring)
     step: int = 0
     tokenizer: Any = None  # the model's tokenizer, for drafters that prepare from text of their own (dv)
+    method: str = ""  # the method decoding (whose own work `step_ms` prices)
 
     @property
     def committed(self) -> int:
@@ -65,16 +66,26 @@ class DecodeState:
         return len(self.tokens) - self.prompt_len
 
     def plain_ms(self) -> float:
-        """What a plain decoding step costs now (the profile's, at the current context)."""
-        return self.profile.plain_ms(self.committed) if self.profile else 1.0
+        """What a plain decoding step costs now: a verify of one token (`verify_ms`)."""
+        return self.verify_ms(1)
 
     def forward_ms(self, rows: int) -> float:
-        """What a target forward of `rows` tokens costs now (a draft forward, without the loop's own cost)."""
+        """What a target forward of `rows` tokens costs now as the profile prices it: a draft forward, part of a
+        method's own work (`step_ms` corrects it with the rest of that work)."""
         return self.profile.forward_ms(rows, self.committed) if self.profile else float(rows)
 
     def verify_ms(self, rows: int) -> float:
-        """What a verify forward of `rows` tokens costs now, loop included."""
-        return self.profile.verify_ms(rows, self.committed) if self.profile else float(rows)
+        """What a verify forward of `rows` tokens costs now, loop included: the profile's price at this context as
+        the steps decoded so far with it correct it (`costs.Calibration`)."""
+        if self.profile is None:
+            return float(rows)
+        return self.profile.verify_ms(rows, self.committed) * self.profile.verify_ratio(rows)
+
+    def step_ms(self, work_ms: float, rows: int) -> float:
+        """What a step costs now that does `work_ms` of the method's own drafting work (as the profile prices it)
+        and verifies `rows` tokens: what drafters size their drafts by and the decode loop predicts."""
+        ratio = self.profile.work_ratio(self.method) if self.profile else 1.0
+        return work_ms * ratio + self.verify_ms(rows)
 
     @property
     def max_depth(self) -> int:

@@ -264,16 +264,17 @@ class Fractal(Drafter):
         # A restart's own forward also reads off the target's next token (exact, drafted in front of the chain):
         # it stands in for a plain step, so it is charged what it costs beyond one. Charged whole, a chain of
         # drafts accepted 98-100% of the time was paused on this CPU from the prior on (held-out, 0.99x).
+        # (All of it but the verify is the method's own work, priced by the profile: `step_ms` corrects it.)
         own = state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
-        extra = max(0.0, own - state.plain_ms())
+        extra = max(0.0, own - state.forward_ms(1))
         slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
         steady = 0.0 if self.params.carry else extra
         whole = self.policy.whole()
 
         def cost(n: int) -> float:
             breaks = 1.0 - whole[n] if self.params.carry else 0.0
-            return (steady + breaks * extra + state.verify_ms(1 + n + slots)
-                    + (self._passes_ms(state, 1 + n + slots) if slots else 0))
+            passes = self._passes_ms(state, 1 + n + slots) if slots else 0.0
+            return state.step_ms(steady + breaks * extra + passes, 1 + n + slots)
 
         sizing = self.policy.choose(cost, state.plain_ms(), min(depth - restart, w if restart else len(self.carried)))
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it

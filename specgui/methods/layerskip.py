@@ -157,7 +157,7 @@ class LayerSkipDrafter(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         token_ms = self.token_ms(state)
         depth = min(self.params.max_draft, state.max_depth)
-        sizing = self.policy.choose(lambda k: k * token_ms + self.overhead_ms() + state.verify_ms(1 + self.rows(k)),
+        sizing = self.policy.choose(lambda k: state.step_ms(k * token_ms + self.overhead_ms(), 1 + self.rows(k)),
                                     state.plain_ms(), depth)
         self.sizing_plan = sizing
         drafting = sizing.size > 0

@@ -85,7 +85,7 @@ class PromptLookup(Drafter):
         if not found:
             self.drafted = 0
             return Draft(info={"ngram": n}, cost_ms=self.lookup_ms)
-        plan = self.policy.choose(lambda k: self.lookup_ms + state.verify_ms(1 + k), state.plain_ms(), len(found))
+        plan = self.policy.choose(lambda k: state.step_ms(self.lookup_ms, 1 + k), state.plain_ms(), len(found))
         tokens = found[: plan.size]
         self.drafted, self.exhausted = len(tokens), plan.size == len(found)
         return Draft(tokens=tokens, cost_ms=self.lookup_ms, info={"ngram": n, "plan": plan.to_dict()})

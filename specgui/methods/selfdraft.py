@@ -112,7 +112,7 @@ class SelfDraft(Drafter):
         depth = state.max_depth
         trie, candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
         found = len(trie.tokens)
-        sizing = self.policy.choose(lambda n: self.retrieve_ms + state.verify_ms(1 + n + self._room(state, n)),
+        sizing = self.policy.choose(lambda n: state.step_ms(self.retrieve_ms, 1 + n + self._room(state, n)),
                                     state.plain_ms(), found) if found else None
         n = sizing.size if sizing else 0
         self.verified, self.exhausted = n, n == found
