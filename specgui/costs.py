@@ -249,13 +249,17 @@ class Calibration:
     def __init__(self) -> None:
         self.verify: dict[int, tuple[float, float]] = {}  # rows -> (decayed sum of log ratios, decayed weight)
         self.work: dict[str, tuple[float, float]] = {}  # method -> the same
+        # verify ratios read since the last step was learnt: a step's sizing prices every size, Self-Draft's every
+        # branch count of every size, each through `verify_ratio`
+        self._read: dict[int, float] = {}
 
     def verify_ratio(self, rows: int) -> float:
         """Measured over priced for a verify of `rows` tokens."""
-        others = sorted((r, s / w) for r, (s, w) in self.verify.items() if r != rows and w > 0)
-        prior = _level(others, rows)
-        s, w = self.verify.get(rows, (0.0, 0.0))
-        return math.exp((s + CALIBRATION_PRIOR * prior) / (w + CALIBRATION_PRIOR))
+        if rows not in self._read:
+            others = sorted((r, s / w) for r, (s, w) in self.verify.items() if r != rows and w > 0)
+            s, w = self.verify.get(rows, (0.0, 0.0))
+            self._read[rows] = math.exp((s + CALIBRATION_PRIOR * _level(others, rows)) / (w + CALIBRATION_PRIOR))
+        return self._read[rows]
 
     def work_ratio(self, method: str) -> float:
         """Measured over priced for `method`'s own drafting work."""
@@ -276,6 +280,7 @@ class Calibration:
         sample = min(math.log(now) + CALIBRATION_CLIP, max(math.log(now) - CALIBRATION_CLIP, math.log(part / priced)))
         s, w = table.get(key, (0.0, 0.0))
         table[key] = (CALIBRATION_DECAY * s + sample, CALIBRATION_DECAY * w + 1.0)
+        self._read.clear()
 
 
 def _level(points: list[tuple[int, float]], x: int) -> float:
