@@ -6,7 +6,9 @@ Why: on a CPU a forward over a few rows is bound by streaming the weights throug
 EPYC (two threads) that was ~11 ms of a ~32 ms one-row forward, more than a third, paid again by every draft pass.
 Here a layer is `layer_attention_in` (norm, q/k/v products, rotary), the cache's own `update` with the new keys and
 values, `layer_attention_out` (attention, output product, residual) and `layer_mlp` (norm, gate/up products, SiLU,
-down product, residual): specgui/csrc/skinny_linear.c, beside the products it calls.
+down product, residual): specgui/csrc/skinny_linear.c, beside the products it calls. Where the cache has room in place
+for the new keys (`KVCache.slot`), consecutive layers run as one call (`run_layers`), their keys and values written
+by the C code: no Python between layers.
 
 Exactness: each row's numbers depend only on its own input and the keys it sees, in column order (see the C file),
 so a verify forward's rows equal the plain steps that produce the same tokens bit for bit, trees included.
@@ -130,27 +132,6 @@ class Plan:
                                            threads))
         return out.view(1, rows, self.hidden)
 
-    def layer(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-              cache: Any) -> torch.Tensor | None:
-        """mlp(attention(h)) where `runs`, as one C call that writes the new keys and values into the cache's
-        buffers itself (`layer_forward`: ~50 us a layer less than the two sub-layers and the cache's update); None,
-        and nothing done, where the cache offers no room in place for them (`KVCache.slot`)."""
-        slot = getattr(cache, "slot", None)
-        room = None if slot is None else slot(self.layer_idx, h.shape[1])
-        if room is None:
-            return None
-        keys, values, start = room
-        rows = h.shape[1]
-        if keys.dtype != torch.float32 or not (keys.is_contiguous() and values.is_contiguous()):
-            raise RuntimeError("a CPU decoder layer needs the cache's fp32 buffers as they were made")
-        x, (cos, sin) = _rows(h), _tables(rope, rows, self.head_dim)
-        visible, out = _visible(mask, rows, start + rows), torch.empty(rows, self.hidden)
-        _check(kernels.skinny_library().layer_forward(
-            ctypes.addressof(self._struct), x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            keys.data_ptr(), values.data_ptr(), keys.stride(1), start, _address(visible), rows,
-            torch.get_num_threads()))
-        return out.view(1, rows, self.hidden)
-
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """h + mlp(norm(h)) where `runs`."""
         rows, x = h.shape[1], _rows(h)
@@ -177,6 +158,42 @@ class Plan:
         before, after = self.norms
         return _Layer(before.weight.data_ptr(), after.weight.data_ptr(), _eps(before), _eps(after), self.scaling,
                       self.hidden, self.heads, self.kv_heads, self.head_dim, self.inner, **linears)
+
+
+class _Call(ctypes.Structure):  # the C file's `struct layer_call`
+    _fields_ = [("layer", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("head_stride", ctypes.c_long), ("start", ctypes.c_long), ("mask", ctypes.c_void_p)]
+
+
+def run_layers(plans: list[Plan], h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               masks: list[torch.Tensor | None], cache: Any) -> tuple[torch.Tensor, int]:
+    """Consecutive layers over `h` as one C call (`layers_forward`), each as mlp(attention(h)) with its new keys and
+    values written into the cache's buffers by the C code: the layers of one model (one shape), each with the
+    `mask` of its own cache layout, every plan checked by `Plan.runs` for these rows. Takes the cache's room in
+    place for each layer in order (`KVCache.slot`) and runs the layers that got it: (output, how many ran); (h, 0),
+    and nothing done, where the first gets none."""
+    rows, slot = h.shape[1], getattr(cache, "slot", None)
+    calls, kept = [], []  # kept: the masks' contiguous copies, alive through the call
+    for plan, mask in zip(plans, masks):
+        room = None if slot is None else slot(plan.layer_idx, rows)
+        if room is None:
+            break
+        keys, values, start = room
+        if keys.dtype != torch.float32 or not (keys.is_contiguous() and values.is_contiguous()):
+            raise RuntimeError("a CPU decoder layer needs the cache's fp32 buffers as they were made")
+        visible = _visible(mask, rows, start + rows)
+        kept.append(visible)
+        calls.append((ctypes.addressof(plan._struct), keys.data_ptr(), values.data_ptr(), keys.stride(1), start,
+                      _address(visible)))
+    if not calls:
+        return h, 0
+    first = plans[0]
+    x, (cos, sin) = _rows(h), _tables(rope, rows, first.head_dim)
+    out = torch.empty(rows, first.hidden)
+    _check(kernels.skinny_library().layers_forward((_Call * len(calls))(*calls), len(calls), x.data_ptr(),
+                                                   out.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
+                                                   torch.get_num_threads()))
+    return out.view(1, rows, first.hidden), len(calls)
 
 
 def covers(h: torch.Tensor, mask: torch.Tensor | None) -> bool:

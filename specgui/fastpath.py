@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -473,9 +473,10 @@ class StaticPass(Pass):
             self.store.lengths[layer] = self.layouts[layer].offset + self.length
         return out
 
-    def one_call(self, h: torch.Tensor, layer: int, module: nn.Module | None = None) -> None:
-        """None: a layer here is its two sub-layers' programs."""
-        return None
+    def one_call(self, h: torch.Tensor, layers: list[int],
+                 modules: Sequence[nn.Module] | None = None) -> tuple[torch.Tensor, int]:
+        """None run: a layer here is its two sub-layers' programs."""
+        return h, 0
 
     def lasting(self, h: torch.Tensor) -> torch.Tensor:
         return h.clone()  # program outputs are overwritten when the program runs again

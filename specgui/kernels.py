@@ -255,7 +255,7 @@ def skinny_library() -> ctypes.CDLL | None:
     for name, arguments in (("layer_attention_in", [pointer] * 5 + [number, threads]),
                             ("layer_attention_out", [pointer] * 6 + [number, number, pointer, number, threads]),
                             ("layer_mlp", [pointer] * 3 + [number, threads]),
-                            ("layer_forward", [pointer] * 7 + [number, number, pointer, number, threads])):
+                            ("layers_forward", [pointer, number] + [pointer] * 4 + [number, threads])):
         getattr(library, name).argtypes = arguments
         getattr(library, name).restype = ctypes.c_int
     return library

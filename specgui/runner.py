@@ -16,14 +16,14 @@ tables and masks follow each layer to its execution device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from specgui import attention
+from specgui import attention, cpu_layers
 from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, Layout, to_device
 
@@ -31,7 +31,9 @@ ATTN, MLP = 0, 1
 
 # observer(k, h): k = 0 is the embedding output, k = unit_index(layer, kind) the state after that sub-layer.
 Observer = Callable[[int, torch.Tensor], None]
-# pre_layer(layer, h, pass) -> h: may rewrite the hidden states [1, T, H] entering `layer`.
+# pre_layer(layer, h, pass) -> h: may rewrite the hidden states [1, T, H] entering `layer`. It is called before every
+# layer, or, where it names them in a `layers` attribute, before those only (`num_layers` among them: before the final
+# norm); the layers between run as one piece (`Pass.run_layers`).
 PreLayer = Callable[[int, torch.Tensor, "Pass"], torch.Tensor]
 
 
@@ -168,17 +170,27 @@ class Runner:
         h = self.embed(to_device(tokens, self.embed_device).view(1, -1))
         if observer is not None:
             observer(0, h)
-        for layer in range(self.num_layers):
-            if pre_layer is not None:
+        hooked = frozenset() if pre_layer is None else frozenset(getattr(pre_layer, "layers", range(self.num_layers)))
+        layer = 0
+        while layer < self.num_layers:
+            if layer in hooked:
                 h = pre_layer(layer, h, step)
+            if observer is None and not skip:  # whole layers up to the next hook
+                end = min([k for k in hooked if k > layer] + [self.num_layers])
+                h = step.run_layers(h, range(layer, end))
+                layer = end
+                continue
             kinds = [kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind)]
             if observer is None and len(kinds) == 2:
-                h = step.run_layer(h, layer)
-                continue
-            for kind in kinds:
-                h = step.run_unit(h, layer, kind)
-                if observer is not None:
-                    observer(unit_index(layer, kind), step.lasting(h))
+                h = step.run_layers(h, range(layer, layer + 1))
+            else:
+                for kind in kinds:
+                    h = step.run_unit(h, layer, kind)
+                    if observer is not None:
+                        observer(unit_index(layer, kind), step.lasting(h))
+            layer += 1
+        if self.num_layers in hooked:
+            h = pre_layer(self.num_layers, h, step)
         return h
 
     def new_pass(self, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None = None) -> Pass:
@@ -254,21 +266,39 @@ class Pass:
         rope = self.rope(device) if kind == ATTN else None
         return sublayer(block, kind, h, rope, mask, self.positions.to(device), self.cache)
 
-    def run_layer(self, h: torch.Tensor, layer: int, module: nn.Module | None = None) -> torch.Tensor:
-        """Both sub-layers of `runner.layers[layer]` (or of `module` standing in for it, as in `run_unit`): as one
-        call where this path has one (`one_call`), else the two sub-layers."""
-        out = self.one_call(h, layer, module)
-        return out if out is not None else self.run_unit(self.run_unit(h, layer, ATTN, module), layer, MLP, module)
+    def run_layers(self, h: torch.Tensor, layers: range, modules: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """Both sub-layers of each of `layers` in order (of `modules[layer]` standing in for `runner.layers[layer]`
+        where given, as in `run_unit`): consecutive ones as one call where this path has one (`one_call`), any other
+        as its two sub-layers."""
+        todo = list(layers)
+        while todo:
+            h, ran = self.one_call(h, todo, modules)
+            if not ran:
+                block = None if modules is None else modules[todo[0]]
+                h = self.run_unit(self.run_unit(h, todo[0], ATTN, block), todo[0], MLP, block)
+                ran = 1
+            del todo[:ran]
+        return h
 
-    def one_call(self, h: torch.Tensor, layer: int, module: nn.Module | None = None) -> torch.Tensor | None:
-        """The layer as one C call where it has a CPU plan that runs these rows and the cache has room for the new
-        keys in place (`specgui.cpu_layers.Plan.layer`); None, and nothing done, elsewhere."""
-        block = module if module is not None else self.runner.layers[layer]
-        plan, device = getattr(block, "cpu_plan", None), self.runner.layer_devices[layer]
-        if plan is None or h.device != device or getattr(self.cache, "slot", None) is None:
-            return None
-        mask = self.mask(layer, device)
-        return plan.layer(h, self.rope(device), mask, self.cache) if plan.runs(h, mask) else None
+    def one_call(self, h: torch.Tensor, layers: list[int],
+                 modules: Sequence[nn.Module] | None = None) -> tuple[torch.Tensor, int]:
+        """The leading layers of `layers` whose CPU plans run these rows, as one C call that writes their new keys
+        into the cache's buffers in place (`specgui.cpu_layers.run_layers`): (output, how many ran); (h, 0), and
+        nothing done, where the first cannot (no plan, or a cache without room in place: `KVCache.slot`)."""
+        if getattr(self.cache, "slot", None) is None:
+            return h, 0
+        plans, masks = [], []
+        for layer in layers:
+            block = self.runner.layers[layer] if modules is None else modules[layer]
+            plan, device = getattr(block, "cpu_plan", None), self.runner.layer_devices[layer]
+            mask = self.mask(layer, device) if plan is not None and h.device == device else None
+            if plan is None or h.device != device or not plan.runs(h, mask):
+                break
+            plans.append(plan)
+            masks.append(mask)
+        if not plans:
+            return h, 0
+        return cpu_layers.run_layers(plans, h, self.rope(h.device), masks, self.cache)
 
     def lasting(self, h: torch.Tensor) -> torch.Tensor:
         """`h` as returned by `run_unit`, made safe to keep past the next sub-layer (here it already is)."""

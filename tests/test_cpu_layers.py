@@ -93,39 +93,49 @@ def test_long_rows_equal_plain_steps_and_the_modules(skinny_build, hidden):
 
 
 @pytest.mark.parametrize("window", ["causal rows", "tree", "scratch view", "view with live positions past it"])
-def test_a_layer_as_one_call_equals_its_two_sub_layers(monkeypatch, window):
-    """`Pass.run_layer` as one C call, which writes the new keys and values into the cache's buffers itself, against
-    the two sub-layer calls with the cache's own update between them: the same states and the same cache, bit for
-    bit. Where live positions lie past a view the cache has no room in place: nothing is written, the sub-layers
-    run."""
+def test_layers_as_one_call_equal_their_sub_layers(monkeypatch, window):
+    """`Pass.run_layers` as one C call for all layers, and as one a layer, each writing the new keys and values into
+    the cache's buffers itself, against the two sub-layer calls a layer with the cache's own update between them: the
+    same states and the same cache, bit for bit. Where live positions lie past a view the cache has no room in place:
+    nothing is written, the sub-layers run."""
     lm = tiny_model(seed=9)
     runner = lm.runner
     one_call = window != "view with live positions past it"
 
-    def run(whole: bool, cache: KVCache) -> torch.Tensor:
+    def run(how: str, cache: KVCache) -> torch.Tensor:
         target = {"scratch view": cache.view(7, scratch=True), "view with live positions past it": cache.view(7)}
         target = target.get(window, cache)
         first = target.get_seq_length(0)
         step = runner.new_pass(torch.arange(first, first + 4), target, TREE if window == "tree" else None)
         h = runner.embed(IDS[9:13].view(1, -1))
+        if how == "all":
+            return step.run_layers(h, range(runner.num_layers))
         for layer in range(runner.num_layers):
-            h = step.run_layer(h, layer) if whole else step.run_unit(step.run_unit(h, layer, ATTN), layer, MLP)
+            h = (step.run_layers(h, range(layer, layer + 1)) if how == "each"
+                 else step.run_unit(step.run_unit(h, layer, ATTN), layer, MLP))
         return h
 
+    library, calls = kernels.skinny_library(), []
+    forward = library.layers_forward
+    monkeypatch.setattr(library, "layers_forward", lambda *a: calls.append(a[1]) or forward(*a))
     with torch.inference_mode():
-        split_cache, whole_cache = KVCache(), KVCache()
-        for cache in (split_cache, whole_cache):
+        caches = {how: KVCache() for how in ("units", "each", "all")}
+        for cache in caches.values():
             runner.forward(IDS[:9], torch.arange(9), cache)
-        split = run(False, split_cache)
+        calls.clear()
+        split = run("units", caches["units"])
         if one_call:  # the sub-layers may not run
             monkeypatch.setattr(cpu_layers.Plan, "attention", lambda *a: pytest.fail("a sub-layer ran"))
-        whole = run(True, whole_cache)
-    assert torch.equal(whole, split)
-    assert whole_cache.lengths == split_cache.lengths
-    for layer in range(runner.num_layers):
-        for got, want in ((whole_cache.keys, split_cache.keys), (whole_cache.values, split_cache.values)):
-            n = max(whole_cache.lengths[layer], 11 if window == "scratch view" else 0)  # a scratch pass writes past
-            assert torch.equal(got[layer][..., :n, :], want[layer][..., :n, :])
+        got = {how: run(how, caches[how]) for how in ("each", "all")}
+    assert calls == ([1] * runner.num_layers + [runner.num_layers] if one_call else [])
+    for how, whole in got.items():
+        cache, want_cache = caches[how], caches["units"]
+        assert torch.equal(whole, split), how
+        assert cache.lengths == want_cache.lengths
+        for layer in range(runner.num_layers):
+            for mine, want in ((cache.keys, want_cache.keys), (cache.values, want_cache.values)):
+                n = max(cache.lengths[layer], 11 if window == "scratch view" else 0)  # a scratch pass writes past
+                assert torch.equal(mine[layer][..., :n, :], want[layer][..., :n, :]), how
 
 
 def test_transformers_forward_and_generate_run_the_layers():

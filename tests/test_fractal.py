@@ -102,6 +102,41 @@ def test_splice_changes_only_slot_rows_and_leaves_the_cache_as_found(tiny_lm):
     assert all(cache.get_seq_length(i) == c + 6 for i in range(runner.num_layers))  # only the main stream wrote
 
 
+def test_a_lower_pass_that_goes_on_from_the_one_before_is_the_full_pass_bit_for_bit(tiny_lm, monkeypatch):
+    """A lower pass whose leading slots hold the tokens the previous one ran takes their states and keys below the
+    previous fractal layer (`Splice._kept`): every slot kept, none, and the first kept, against full passes at every
+    fractal layer; the forward's logits and the cache's keys and values come out the same."""
+    runner = tiny_lm.runner
+    drafter = methods.create("fractal", runner, "tiny", GREEDY, {"layers": "1,2,3", "window": 3})
+    comp = drafter.plan.compressed
+    prompt, block = torch.tensor(PROMPTS[0]), torch.tensor([9, 10, 11, 11, 11])  # 2 exact rows, 3 slots
+    c = len(prompt)
+    sequence = [[4, 5, 6], [4, 5, 6], [4, 7, 8]]  # the slot guesses at fractal layers 1, 2, 3
+    head = comp.logits
+
+    def run(full: bool) -> tuple[torch.Tensor, KVCache, Splice]:
+        guesses = iter(sequence)
+        monkeypatch.setattr(comp, "logits", lambda h: torch.nn.functional.one_hot(
+            torch.tensor(next(guesses)), head(h).shape[-1]).float())
+        if full:
+            monkeypatch.setattr(Splice, "_kept", lambda self, g: 0)
+        cache = KVCache()
+        with torch.inference_mode():
+            runner.forward(prompt, torch.arange(c), cache)
+            splice = Splice(drafter.plan, cache, c, exact=2, anchor_position=c + 1)
+            out = runner.forward(block, torch.arange(c, c + 5), cache, pre_layer=splice)
+        monkeypatch.undo()
+        return out, cache, splice
+
+    kept, kept_cache, splice = run(full=False)
+    full, full_cache, _ = run(full=True)
+    assert splice.reused == 2 and splice.slot_tokens() == sequence
+    assert torch.equal(kept, full)
+    for layer in range(runner.num_layers):  # the slots' scratch keys included
+        for mine, want in ((kept_cache.keys, full_cache.keys), (kept_cache.values, full_cache.values)):
+            assert torch.equal(mine[layer][..., : c + 5, :], want[layer][..., : c + 5, :])
+
+
 def test_a_deep_fractal_layers_pass_is_priced_by_the_rows_each_part_runs(tiny_lm):
     """Layer i's pass runs the forward's rows through the copy's layers i..L-1 and the slots through 0..i-1: of a
     4-layer model, layer 0's pass costs a whole pass over the rows, layer 2's half of one over the rows and half of

@@ -75,6 +75,22 @@ def test_visibility_runs_independent_branches_in_one_forward(tiny_lm):
     assert cache.get_seq_length(0) == 4  # the frozen view wrote nothing
 
 
+def test_a_pre_layer_that_names_its_layers_is_called_before_those_only(tiny_lm):
+    """`layers` may name the final norm (num_layers); the layers between run as one piece, with the same result."""
+    calls = []
+
+    def hook(layer, h, step):
+        calls.append(layer)
+        return h
+
+    hook.layers = {2, tiny_lm.runner.num_layers}
+    with torch.no_grad():
+        plain = tiny_lm.runner.forward(torch.tensor([1, 2]), torch.arange(2), KVCache())
+        hooked = tiny_lm.runner.forward(torch.tensor([1, 2]), torch.arange(2), KVCache(), pre_layer=hook)
+    assert calls == [2, tiny_lm.runner.num_layers]
+    assert torch.equal(plain, hooked)
+
+
 def test_observer_sees_every_sublayer_and_pre_layer_can_rewrite(tiny_lm):
     seen = []
     calls = []

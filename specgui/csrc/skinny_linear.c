@@ -327,6 +327,7 @@ int skinny_linear_bf16(const float *x, const unsigned short *w, const float *bia
  *   layer_attention_out  attention over the cache, output product, residual
  *   layer_mlp            norm, gate/up products, SiLU, down product, residual
  *   layer_forward        the three, the new keys and values written into the cache's buffers in between
+ *   layers_forward       consecutive layers' layer_forward in one call (what Python calls)
  * over weights of any of the products' types: the target model's own fp32 weights (specgui/cpu_layers.py installs it
  * on the model's decoder layers) and Fractal's int8 copy. Formulas are transformers' Llama ones (RMSNorm,
  * rotate-half rotary, softmax attention over grouped key/value heads, SiLU-gated MLP); sums are in this file's order.
@@ -693,8 +694,9 @@ int layer_mlp(const struct layer *L, const float *h, float *out, long T, int thr
    caller spends between calls: on SmolLM2-135M (AMD EPYC, two threads) ~50 us a layer of torch views, the cache's
    slice assignments and argument checks, 1.5 ms of a one-row forward, and as much again in each of Fractal's
    compressed passes, whose int8 products take a quarter of the time. */
-int layer_forward(const struct layer *L, const float *h, float *out, const float *cos, const float *sin, float *keys,
-                  float *values, long head_stride, long start, const unsigned char *mask, long T, int threads) {
+static int layer_forward(const struct layer *L, const float *h, float *out, const float *cos, const float *sin,
+                         float *keys, float *values, long head_stride, long start, const unsigned char *mask, long T,
+                         int threads) {
     long H = L->hidden, Hq = L->heads, Hkv = L->kv_heads, D = L->head_dim, width = (Hq + 2 * Hkv) * D;
     float *qkv = scratch(1, sizeof(float) * T * (width + H)), *mid = qkv + T * width;
     if (!qkv || T < 1 || start < 0 || layer_attention_in(L, h, cos, sin, qkv, T, threads)) return -1;
@@ -706,4 +708,27 @@ int layer_forward(const struct layer *L, const float *h, float *out, const float
         }
     if (layer_attention_out(L, h, mid, qkv, keys, values, head_stride, start + T, mask, T, threads)) return -1;
     return layer_mlp(L, mid, out, T, threads);
+}
+
+/* One layer's part of `layers_forward`: its plan and where its new keys and values go (as `layer_forward` takes them). */
+struct layer_call {
+    const struct layer *layer;
+    float *keys, *values;
+    long head_stride, start;
+    const unsigned char *mask;
+};
+
+/* Consecutive layers in one call, each as `layer_forward`, the first over h and every later one over the output of the
+   one before (in place in out); all rows share the rotary tables. The same numbers as a call per layer, without the
+   caller's work between them: a layer's call from Python (its checks, the cache's room, ctypes) is ~50 us, ~1.5 ms of
+   the embedded model's one-row forward (AMD EPYC, two threads) and more than a quarter of a Fractal lower pass. */
+int layers_forward(const struct layer_call *calls, long n, const float *h, float *out, const float *cos,
+                   const float *sin, long T, int threads) {
+    for (long i = 0; i < n; i++) {
+        const struct layer_call *c = calls + i;
+        if (layer_forward(c->layer, i ? out : h, out, cos, sin, c->keys, c->values, c->head_stride, c->start, c->mask,
+                          T, threads))
+            return -1;
+    }
+    return 0;
 }

@@ -285,9 +285,7 @@ class CompressedModel:
 
     def run(self, step: Pass, h: torch.Tensor, layers: range) -> torch.Tensor:
         """Run the compressed copies of `layers` on hidden states [1, T, H] within pass `step`."""
-        for layer in layers:
-            h = step.run_layer(h, layer, module=self.layers[layer])
-        return h
+        return step.run_layers(h, layers, self.layers)
 
 
 def _cpu_plan(runner: Runner, copy: CompressedLayer) -> cpu_layers.Plan | None:

@@ -35,7 +35,8 @@ Where the slots ride (`carry`):
 Payloads: "fractal_layers", "origin" (per draft node, the fractal layer from which its slot guess no
 longer changed; num_layers when only the target's final head proposed it), "source" ("carried" or
 "draft forward"), and the time split "compressed_ms" (compressed passes) / "target_ms" (the target's
-own layers in the same forwards) with their per-pass "cost_ratio".
+own layers in the same forwards) with their per-pass "cost_ratio", and "lower_reused" (lower passes that went on
+from the previous fractal layer's, `Splice._continues`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from specgui.methods.base import DecodeState, Drafter, register
 from specgui.methods.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.methods.policy import SizedParams
 from specgui.params import param
-from specgui.runner import MLP, Pass, Runner, unit_index
+from specgui.runner import Pass, Runner
 from specgui.sampling import Sampling
 
 # cached tokens before the rows a compressed pass is timed on (the second as far as the run's cache holds it); a
@@ -125,10 +126,16 @@ class Splice:
         self.slot_positions = torch.arange(anchor_position + 1, end)
         self.all_positions = torch.arange(committed, end)
         self.guesses: list[torch.Tensor] = []
+        self.lower: tuple[int, torch.Tensor] | None = None  # the latest lower pass: (its layers, its output)
+        self.reused = 0  # lower passes that went on from the one before
         self.marks: list[tuple[Any, Any]] = []  # (start, end) of each compressed pass
-        self.span: list[Any] = []  # marks at the embedding output and after the last sub-layer
+        self.span: list[Any] = []  # marks before the first layer and after the last, for the time split
+        # where the runner calls this hook (the layers between run as one piece, `runner.PreLayer`)
+        self.layers = frozenset(plan.layers) | {0, plan.runner.num_layers}
 
     def __call__(self, layer: int, h: torch.Tensor, step: Pass) -> torch.Tensor:
+        if layer in (0, self.plan.runner.num_layers):
+            self.span.append(self.plan.clock.mark())
         if layer not in self.plan.layers:
             return h
         comp, runner = self.plan.compressed, self.plan.runner
@@ -140,16 +147,36 @@ class Splice:
         guesses = comp.logits(x[0, self.exact - 1 : -1]).argmax(-1)  # [w]: anchor and slots 1..w-1 predict
         # lower: layers < `layer` already hold the prefix and this forward's exact rows
         # the forward's own slot keys there are stale (the slots are being replaced): the pass may overwrite them
-        lower = runner.new_pass(self.slot_positions, self.cache.view(self.committed + self.exact, scratch=True))
-        y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
+        seen = self.committed + self.exact
+        lower = runner.new_pass(self.slot_positions, self.cache.view(seen, scratch=True))
+        kept = self._kept(guesses)
+        if kept:  # go on from the previous lower pass (`_kept`)
+            done, y = self.lower
+            if kept < len(guesses):  # the slots from the first changed one, below `done`, after the kept ones' keys
+                redo = runner.new_pass(self.slot_positions[kept:], self.cache.view(seen + kept, scratch=True))
+                y = torch.cat([y[:, :kept], comp.run(redo, comp.embed(guesses[kept:].view(1, -1)), range(done))], 1)
+            y = comp.run(lower, y, range(done, layer))
+            self.reused += 1
+        else:
+            y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
+        self.lower = (layer, lower.lasting(y))
         self.guesses.append(guesses)
         self.marks.append((start, self.plan.clock.mark()))
         return torch.cat([exact, y.to(h.device)], dim=1)
 
-    def observer(self, k: int, h: torch.Tensor) -> None:
-        """Marks the forward's start (embedding output) and end (last sub-layer) for the time split."""
-        if k == 0 or k == unit_index(self.plan.runner.num_layers - 1, MLP):
-            self.span.append(self.plan.clock.mark())
+    def _kept(self, guesses: torch.Tensor) -> int:
+        """How many leading slots this lower pass takes from the one before, at the layers below the previous
+        fractal layer: those that hold the same tokens as then. A slot's row sees the prefix, the exact rows and the
+        slots before it, none of which changed, so at those layers it would compute the same states and write the
+        same keys: only the slots from the first changed one run there (over the kept slots' keys), then every slot
+        runs the layers since. The C layers compute each row from its own input and the keys it sees, so that is the
+        full pass bit for bit. On the embedded model's CPU preset the second fractal layer mostly keeps the first
+        slot. Not on a GPU: the comparison would stall the host in the middle of the forward (a device sync) to save
+        work whose launches are cheap there."""
+        if self.lower is None or guesses.device.type != "cpu":
+            return 0
+        changed = (guesses != self.guesses[-1]).nonzero()
+        return int(changed[0]) if len(changed) else len(guesses)
 
     def times(self) -> tuple[float, float]:
         """(compressed ms, target ms) of this forward; call once the device is done with it."""
@@ -291,9 +318,8 @@ class Fractal(Drafter):
         self.exhausted = len(tokens) < keep
         # after this step emits the draft and its own token, the next one can draft only if depth is left
         extras = self._slots(state, tokens) if self.params.carry and depth > len(tokens) + 1 else None
-        observer = self.carrying.observer if self.carrying is not None else None
         passes = self._passes_ms(state, 1 + len(tokens) + w) if extras else 0.0
-        return Draft(tokens=tokens, extras=extras, observer=observer, cost_ms=paid + passes,
+        return Draft(tokens=tokens, extras=extras, cost_ms=paid + passes,
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
 
     def stand_ins(self) -> list[tuple[int, Any]]:
@@ -363,8 +389,7 @@ class Fractal(Drafter):
         c, w = state.committed, self.plan.window
         splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c)
         tokens = torch.tensor([state.pending] * (1 + w))  # slots start as copies of the anchor token
-        logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice,
-                                     observer=splice.observer)
+        logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice)
         state.cache.crop(c)
         self.splices.append(splice)
         best = logits.argmax(-1).tolist()  # [1 + w]: the target's own next token, then each slot's prediction
@@ -395,13 +420,14 @@ class Fractal(Drafter):
         if not self.splices:
             return {}
         compressed = target = 0.0
-        passes = 0
+        passes = reused = 0
         for splice in self.splices:
             c, t = splice.times()
             compressed += c
             target += t
             passes += len(splice.marks)
-        figures: dict[str, Any] = {"compressed_ms": compressed, "target_ms": target}
+            reused += splice.reused
+        figures: dict[str, Any] = {"compressed_ms": compressed, "target_ms": target, "lower_reused": reused}
         if passes and target > 0:
             figures["cost_ratio"] = (compressed / passes) / (target / len(self.splices))
         return figures
