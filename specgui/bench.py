@@ -4,9 +4,10 @@ How the numbers are made (Spec-Bench's conventions): one warm-up run per method 
 (prompt, method) pair runs `repeats` times and keeps the median wall time; methods take turns per prompt
 in a rotating order so drift in machine load spreads evenly; tokens/s is total new tokens over total
 time; speedup is a method's tokens/s over `baseline`'s; tau is tokens per verify forward (the
-verifier's own token included). `hf-generate`, `hf-static` and `hf-pld` are transformers' own greedy
-`generate` (with its dynamic cache, with a static cache, which it compiles on a GPU) and prompt-lookup
-decoding on the same model, so the baseline can be checked against them.
+verifier's own token included); ceiling is the speedup the same runs would have if each step cost a plain
+step (`ceiling`: what the drafts allow, whatever the verifies cost). `hf-generate`, `hf-static` and `hf-pld`
+are transformers' own greedy `generate` (with its dynamic cache, with a static cache, which it compiles on a
+GPU) and prompt-lookup decoding on the same model, so the baseline can be checked against them.
 
 If a method's greedy output differs from baseline's, the report names the prompt, the first differing
 position and the baseline's top-1 minus top-2 logit margin there, beside the logit noise between batch
@@ -202,7 +203,25 @@ def _divergence(run: Run, base: Run, noise: float) -> dict[str, Any] | None:
     return None if found is None else dataclasses.asdict(found)
 
 
-def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[str, Any]:
+def ceiling(group: list[Run], base: list[Run]) -> float | None:
+    """The speedup these runs would have if each of their steps cost what a plain step cost on the same prompt (the
+    baseline's mean step there), all else as measured: the prompt's forward, the loop between steps. A speculative
+    step costs at least a plain step (its verify is a forward over at least one row), so this is what the method's
+    drafts allow, whatever its verifies cost: a method near it can gain only by drafting better (or by a faster
+    prompt forward, which every method shares). From each run's first repeat, whose phase times the runs keep; None
+    for transformers' references and runs without steps. `group` and `base` list the same prompts in order."""
+    if not group or any(r.method in REFERENCES or not r.steps for r in (*group, *base)):
+        return None
+    def own_s(r: Run) -> float:  # the run's steps: drafting and verify forwards
+        return (r.phase_ms.get("draft", 0.0) + r.phase_ms.get("verify", 0.0)) / 1000
+
+    plain_wall = sum(b.walls[0] for b in base)
+    at_plain_cost = sum(r.walls[0] - own_s(r) + r.steps * own_s(b) / b.steps for r, b in zip(group, base))
+    return plain_wall / at_plain_cost if at_plain_cost > 0 else None
+
+
+def _aggregate(group: list[Run], base_rate: float | None, greedy: bool,
+               base: list[Run] | None = None) -> dict[str, Any]:
     tokens = sum(len(r.tokens) for r in group)
     wall = sum(r.wall for r in group)
     rate = tokens / wall if wall else 0.0
@@ -214,6 +233,7 @@ def _aggregate(group: list[Run], base_rate: float | None, greedy: bool) -> dict[
         "tokens_per_s": rate,
         "speedup": rate / base_rate if base_rate else 1.0,
         "predicted_speedup": sum(r.plain_s for r in group) / sum(r.predicted_s for r in group) if predicted else None,
+        "ceiling": ceiling(group, base) if base is not None else None,
         "mean_accepted": (sum(r.emitted_in_steps for r in group) / steps if steps else None) if native else None,
         "acceptance_rate": (sum(r.accepted for r in group) / drafted if drafted else None) if native else None,
         "identical": sum(1 for r in group if r.identical) if greedy else None,
@@ -254,12 +274,14 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
         "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
     }
     for label in labels:
-        report["methods"][label] = _aggregate(by_label[label], base_rate, sampling.greedy)
+        report["methods"][label] = _aggregate(by_label[label], base_rate, sampling.greedy, by_label[base_label])
         report["profile"][label] = _profile(by_label[label])
     for cat in categories:
-        base = _aggregate([r for r in by_label[base_label] if r.category == cat], None, sampling.greedy)
+        base_runs = [r for r in by_label[base_label] if r.category == cat]
+        base = _aggregate(base_runs, None, sampling.greedy)
         report["categories"][cat] = {
-            label: _aggregate([r for r in by_label[label] if r.category == cat], base["tokens_per_s"], sampling.greedy)
+            label: _aggregate([r for r in by_label[label] if r.category == cat], base["tokens_per_s"], sampling.greedy,
+                              base_runs)
             for label in labels
         }
     for row in rows:
@@ -307,7 +329,7 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
         lines.append(f"predicted by the cost profile {origin}" + (f" ({priced['file']})" if priced.get("file") else ""))
     if not report["complete"]:
         lines.append("INCOMPLETE: the bench stopped before every prompt ran")
-    header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'predicted':>9} {'tau':>6} {'accept':>7} "
+    header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'predicted':>9} {'ceiling':>8} {'tau':>6} {'accept':>7} "
               f"{'identical':>10} {'ties':>5}")
 
     def row(name: str, agg: dict[str, Any]) -> str:
@@ -316,8 +338,9 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
         ident = f"{agg['identical']}/{agg['total']}" if agg["identical"] is not None else "n/a"
         ties = str(agg["ties"]) if agg["ties"] is not None else "-"
         pred = f"{agg['predicted_speedup']:.2f}x" if agg.get("predicted_speedup") is not None else "-"
-        return (f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {pred:>9} {tau:>6} {acc:>7} "
-                f"{ident:>10} {ties:>5}")
+        top = f"{agg['ceiling']:.2f}x" if agg.get("ceiling") is not None else "-"
+        return (f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {pred:>9} {top:>8} {tau:>6} "
+                f"{acc:>7} {ident:>10} {ties:>5}")
 
     lines += ["", "overall", header] + [row(n, a) for n, a in report["methods"].items()]
     for cat, per in report["categories"].items():

@@ -26,6 +26,7 @@ def test_bench_report_on_a_tiny_model(tiny_lm):
     assert methods["pld"]["identical"] == 3 and methods["hf-generate"]["identical"] == 3
     assert methods["pld"]["ties"] == 0
     assert methods["pld"]["mean_accepted"] > 1.0 and methods["hf-generate"]["mean_accepted"] is None
+    assert methods["pld"]["ceiling"] > 0 and methods["hf-generate"]["ceiling"] is None
     assert set(report["categories"]) == {"copy", "other"}
     assert len(report["per_prompt"]) == 9 and all(len(p["walls"]) == 2 for p in report["per_prompt"])
     assert report["complete"] and 0 <= report["logit_noise"] < 1e-3 and report["fast_path"] is False
@@ -78,6 +79,17 @@ def test_divergence_is_a_near_tie_when_the_margin_is_within_the_noise():
     assert bug["position"] == 1 and not bug["near_tie"]
     assert first_divergence([5, 6], [5, 6, 7, 8], base.margins).position == 2  # one run ended first
     assert bench._divergence(Run("p", "c", "m", [5, 6, 7, 8], [1.0]), base, noise=0.001) is None
+
+
+def test_the_ceiling_prices_every_step_as_the_baselines_step_on_the_same_prompt():
+    """Baseline: 1 s of prompt forward and loop, then 10 steps of 0.1 s (2 s). The method: the same 1 s, then 5
+    steps of 0.16 s (1.8 s, 2 tokens a step): 2/1.8 = 1.11x measured, 2/1.5 = 1.33x had each step cost 0.1 s."""
+    base = bench.Run("p", "c", "baseline", [], walls=[2.0, 9.0], steps=10, phase_ms={"draft": 0.0, "verify": 1000.0})
+    run = bench.Run("p", "c", "pld", [], walls=[1.8, 9.0], steps=5, phase_ms={"draft": 50.0, "verify": 750.0})
+    assert bench.ceiling([run], [base]) == pytest.approx(2.0 / 1.5)
+    assert bench.ceiling([base], [base]) == pytest.approx(1.0)
+    reference = bench.Run("p", "c", "hf-generate", [], walls=[2.0])
+    assert bench.ceiling([reference], [base]) is None
 
 
 def test_format_report_separates_ties_from_bugs():
