@@ -126,7 +126,7 @@ class Splice:
         self.slot_positions = torch.arange(anchor_position + 1, end)
         self.all_positions = torch.arange(committed, end)
         self.guesses: list[torch.Tensor] = []
-        self.lower: tuple[int, torch.Tensor] | None = None  # the latest lower pass: (its layers, its output)
+        self.lower: tuple[int, torch.Tensor] | None = None  # the latest lower pass on a CPU: (its layers, output)
         self.reused = 0  # lower passes that went on from the one before
         self.marks: list[tuple[Any, Any]] = []  # (start, end) of each compressed pass
         self.span: list[Any] = []  # marks before the first layer and after the last, for the time split
@@ -159,7 +159,8 @@ class Splice:
             self.reused += 1
         else:
             y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
-        self.lower = (layer, lower.lasting(y))
+        # for the next fractal layer's lower pass (`_kept`); not on a GPU, where nothing reads it
+        self.lower = (layer, lower.lasting(y)) if guesses.device.type == "cpu" else None
         self.guesses.append(guesses)
         self.marks.append((start, self.plan.clock.mark()))
         return torch.cat([exact, y.to(h.device)], dim=1)
@@ -171,9 +172,9 @@ class Splice:
         same keys: only the slots from the first changed one run there (over the kept slots' keys), then every slot
         runs the layers since. The C layers compute each row from its own input and the keys it sees, so that is the
         full pass bit for bit. On the embedded model's CPU preset the second fractal layer mostly keeps the first
-        slot. Not on a GPU: the comparison would stall the host in the middle of the forward (a device sync) to save
-        work whose launches are cheap there."""
-        if self.lower is None or guesses.device.type != "cpu":
+        slot. Not on a GPU (`lower` is kept on a CPU only): the comparison would stall the host in the middle of the
+        forward (a device sync) to save work whose launches are cheap there."""
+        if self.lower is None:
             return 0
         changed = (guesses != self.guesses[-1]).nonzero()
         return int(changed[0]) if len(changed) else len(guesses)
