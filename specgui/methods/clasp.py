@@ -90,7 +90,7 @@ class Clasp(LayerSkipDrafter):
     def _records(self) -> bool:
         """Whether this step's verify records hidden states: where the next step may search, unless the policy
         pauses for good (`Plan.hopeless`: no draft, no search follows). Recording keeps the verify forward off the
-        one-call layers (`Pass.run_layer`), whose observer-free forwards were ~5% faster (18.1 against 19.0 ms a
+        one-call layers (`Pass.run_layers`), whose observer-free forwards were ~5% faster (18.1 against 19.0 ms a
         step on the held-out prompts, AMD EPYC), and a hopeless pause on this CPU lasts the whole run. Should drafting
         resume all the same, the first search reads the states last recorded (an older token's): a poorer skip set
         for one interval, never a wrong token."""
