@@ -36,7 +36,7 @@ Payloads: "fractal_layers", "origin" (per draft node, the fractal layer from whi
 longer changed; num_layers when only the target's final head proposed it), "source" ("carried" or
 "draft forward"), and the time split "compressed_ms" (compressed passes) / "target_ms" (the target's
 own layers in the same forwards) with their per-pass "cost_ratio", and "lower_reused" (lower passes that went on
-from the previous fractal layer's, `Splice._continues`).
+from the previous fractal layer's, `Splice._kept`).
 """
 
 from __future__ import annotations
