@@ -171,23 +171,25 @@ class Runner:
         if observer is not None:
             observer(0, h)
         hooked = frozenset() if pre_layer is None else frozenset(getattr(pre_layer, "layers", range(self.num_layers)))
+
+        def kinds(layer: int) -> list[int]:
+            return [kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind)]
+
         layer = 0
         while layer < self.num_layers:
             if layer in hooked:
                 h = pre_layer(layer, h, step)
-            if observer is None and not skip:  # whole layers up to the next hook
-                end = min([k for k in hooked if k > layer] + [self.num_layers])
+            if observer is None and len(kinds(layer)) == 2:  # whole layers, up to a hook or a skipped sub-layer
+                end = layer + 1
+                while end < self.num_layers and end not in hooked and len(kinds(end)) == 2:
+                    end += 1
                 h = step.run_layers(h, range(layer, end))
                 layer = end
                 continue
-            kinds = [kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind)]
-            if observer is None and len(kinds) == 2:
-                h = step.run_layers(h, range(layer, layer + 1))
-            else:
-                for kind in kinds:
-                    h = step.run_unit(h, layer, kind)
-                    if observer is not None:
-                        observer(unit_index(layer, kind), step.lasting(h))
+            for kind in kinds(layer):
+                h = step.run_unit(h, layer, kind)
+                if observer is not None:
+                    observer(unit_index(layer, kind), step.lasting(h))
             layer += 1
         if self.num_layers in hooked:
             h = pre_layer(self.num_layers, h, step)

@@ -50,6 +50,26 @@ def test_skipping_sublayers_equals_zeroing_them(tiny_lm):
     assert torch.allclose(got, reference, atol=1e-5)
 
 
+def test_a_skipping_forward_runs_the_whole_layers_between_skips_as_one_call(tiny_lm, monkeypatch):
+    """Skipping layer 1's MLP: layer 0 and layers 2-3 run as C calls of whole layers, layer 1 as its attention
+    sub-layer; the same logits bit for bit as every sub-layer on its own (an observer's path)."""
+    library, calls = kernels.skinny_library(), []
+    forward = library.layers_forward
+    monkeypatch.setattr(library, "layers_forward", lambda *a: calls.append(a[1]) or forward(*a))
+    plan = SkipPlan(mlp=frozenset({1}))
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    with torch.no_grad():
+        logits = []
+        for observer in (None, lambda k, h: None):
+            cache = KVCache()
+            tiny_lm.runner.forward(ids[:4], torch.arange(4), cache)
+            calls.clear()
+            logits.append(tiny_lm.runner.forward(ids[4:], torch.tensor([4]), cache, skip=plan, observer=observer))
+            if observer is None:
+                assert calls == [1, 2]
+    assert torch.equal(*logits)
+
+
 def test_skipped_attention_leaves_that_layer_cache_short(tiny_lm):
     cache = KVCache()
     with torch.no_grad():
