@@ -115,3 +115,12 @@ def skinny_build(request, monkeypatch):
     yield request.param
     monkeypatch.undo()
     rebuild()
+
+
+@pytest.fixture
+def layer_calls(monkeypatch):
+    """How many layers each `layers_forward` C call ran while the test runs (clear it to count from a point on)."""
+    library, calls = kernels.skinny_library(), []
+    forward = library.layers_forward
+    monkeypatch.setattr(library, "layers_forward", lambda *a: calls.append(a[1]) or forward(*a))
+    return calls

@@ -93,7 +93,7 @@ def test_long_rows_equal_plain_steps_and_the_modules(skinny_build, hidden):
 
 
 @pytest.mark.parametrize("window", ["causal rows", "tree", "scratch view", "view with live positions past it"])
-def test_layers_as_one_call_equal_their_sub_layers(monkeypatch, window):
+def test_layers_as_one_call_equal_their_sub_layers(monkeypatch, layer_calls, window):
     """`Pass.run_layers` as one C call for all layers, and as one a layer, each writing the new keys and values into
     the cache's buffers itself, against the two sub-layer calls a layer with the cache's own update between them: the
     same states and the same cache, bit for bit. Where live positions lie past a view the cache has no room in place:
@@ -115,9 +115,7 @@ def test_layers_as_one_call_equal_their_sub_layers(monkeypatch, window):
                  else step.run_unit(step.run_unit(h, layer, ATTN), layer, MLP))
         return h
 
-    library, calls = kernels.skinny_library(), []
-    forward = library.layers_forward
-    monkeypatch.setattr(library, "layers_forward", lambda *a: calls.append(a[1]) or forward(*a))
+    calls = layer_calls
     with torch.inference_mode():
         caches = {how: KVCache() for how in ("units", "each", "all")}
         for cache in caches.values():

@@ -50,12 +50,10 @@ def test_skipping_sublayers_equals_zeroing_them(tiny_lm):
     assert torch.allclose(got, reference, atol=1e-5)
 
 
-def test_a_skipping_forward_runs_the_whole_layers_between_skips_as_one_call(tiny_lm, monkeypatch):
+def test_a_skipping_forward_runs_the_whole_layers_between_skips_as_one_call(tiny_lm, layer_calls):
     """Skipping layer 1's MLP: layer 0 and layers 2-3 run as C calls of whole layers, layer 1 as its attention
     sub-layer; the same logits bit for bit as every sub-layer on its own (an observer's path)."""
-    library, calls = kernels.skinny_library(), []
-    forward = library.layers_forward
-    monkeypatch.setattr(library, "layers_forward", lambda *a: calls.append(a[1]) or forward(*a))
+    calls = layer_calls
     plan = SkipPlan(mlp=frozenset({1}))
     ids = torch.tensor([3, 1, 4, 1, 5])
     with torch.no_grad():
