@@ -1,15 +1,16 @@
 """Grouped-query attention of a few rows over a mask, without copying keys and values, on a CPU.
 
-SmolLM2-135M has 9 query heads over 3 key/value heads. transformers' sdpa attention hands torch's kernel the
-grouping itself only when there is no mask (a plain step); one query row with a mask it folds into the key
-heads. Every other forward with a mask (a verify over 2+ rows, a tree, every fast-path forward over its static
-cache) first repeats the keys and values to 9 heads: a copy of the layer's whole cache, three times over, in
-every layer of every verify. On a CPU torch's kernel takes the grouping with a mask (`enable_gqa`): the same
-numbers bit for bit, and on an AMD EPYC (one thread) a 2-row forward of the embedded model over a 1024-token
+SmolLM2-135M has 9 query heads over 3 key/value heads. transformers' sdpa attention hands torch's kernel the grouping
+itself only when there is no mask (a plain step); one query row with a mask it folds into the key heads. Every other
+forward with a mask (a verify over 2+ rows, a tree, every fast-path forward over its static cache) first repeats the
+keys and values to 9 heads: a copy of the layer's whole cache, three times over, in every layer of every verify. On a
+CPU torch's kernel takes the grouping with a mask (`enable_gqa`): the same numbers within rounding (bit for bit on the
+CPUs measured, which nothing leans on: rows of different forwards through torch's kernel agree only within rounding
+anyway, `specgui/kernels.py`), and on an AMD EPYC (one thread) a 2-row forward of the embedded model over a 1024-token
 context fell from 90-100 ms to 74-77 (one row: 65-74 ms), 4 rows from 93-112 to 82-85.
 
-On a CPU an fp32 Llama-shaped model's layers run in C up to `kernels.MAX_ROWS` rows (`specgui/cpu_layers.py`, with
-its own attention): what reaches this is a longer forward, a bf16 model or layers of other shapes.
+On a CPU an fp32 Llama-shaped model's layers run in C (`specgui/cpu_layers.py`, with its own attention): what
+reaches this is a long prompt's prefill, a bf16 model or layers of other shapes.
 
 On a GPU a mask with `enable_gqa` may leave the fused kernels, which this machine cannot measure: there, and
 for anything this does not cover (one row, no mask, a position bias, a paged cache), transformers' own

@@ -15,12 +15,11 @@ so a verify forward's rows equal the plain steps that produce the same tokens bi
 `tests/test_cpu_layers.py` holds the layers to transformers' modules (within float rounding) and to that.
 
 `install(model)` puts a `Plan` on every Llama-shaped decoder layer of an fp32 CPU model and routes the layer's own
-forward through it, so transformers' `generate` runs what SpecGUI's loop runs (`runner.sublayer` calls the two
-units itself: methods skip, observe and splice sub-layers); comparisons stay like for like. It comes with the
-skinny kernel (`--small-batch-matmul off` measures without either). What a plan does not cover runs transformers'
-modules: more than `kernels.MAX_ROWS` rows (a long prompt's prefill), a prompt of more than `PROMPT_ROWS` rows, a
-float mask (eager attention), a batch, gradients, another device or dtype, attention weights asked for, layers of
-another shape (q/k norms, biases are fine).
+forward through it, so transformers' `generate` runs what SpecGUI's loop runs (`runner.sublayer` calls the two units
+itself: methods skip, observe and splice sub-layers); comparisons stay like for like. It comes with the skinny kernel
+(`--small-batch-matmul off` measures without either). What a plan does not cover runs transformers' modules: a prompt of
+more than `PROMPT_ROWS` rows, a float mask (eager attention), a batch, gradients, another device or dtype, attention
+weights asked for, layers of another shape (q/k norms, biases are fine).
 """
 
 from __future__ import annotations
@@ -43,8 +42,9 @@ _SUSPENDED = [False]  # `suspended()`: every layer runs its modules (comparisons
 # A forward of more rows than this with nothing cached before them (a prompt's prefill) runs the modules: there the
 # products are bound by arithmetic, where BLAS beats the skinny kernel (AMD EPYC, two threads, the embedded model's
 # prefill: 16 rows 43 ms in C against 53, 32 rows 80 against 77, 41 rows 105 against 88, 64 rows 155 against 128).
-# Verify forwards always follow a prefix and keep the C layers at any row count up to `kernels.MAX_ROWS`: their rows
-# must equal plain steps bit for bit; a prompt's numbers only need to be the same for every method, and are.
+# Verify forwards always follow a prefix and keep the C layers at any row count (a paper's Lookahead window verifies
+# 120 rows): their rows must equal plain steps bit for bit on every machine, which BLAS does not give (its rounding
+# follows the product's shape); a prompt's numbers only need to be the same for every method, and are.
 PROMPT_ROWS = 24
 MAX_HEAD_DIM = 256  # the C file's MAX_HEAD_DIM: its attention lays a block of keys out on the stack, this wide at most
 
@@ -99,9 +99,8 @@ class Plan:
 
     def runs(self, h: torch.Tensor, mask: torch.Tensor | None) -> bool:
         """Whether `attention` and `mlp` compute a sub-layer over hidden states `h` [1, T, H] with `mask` (None:
-        causal): the C library, fp32 rows on the CPU, at most `kernels.MAX_ROWS` of them (`PROMPT_ROWS` for a
-        prompt), no batch, no gradients, a bool mask, and every weight on the CPU in a type the C code takes (its
-        struct rebuilt if a weight moved)."""
+        causal): the C library, fp32 rows on the CPU (at most `PROMPT_ROWS` for a prompt), no batch, no gradients, a
+        bool mask, and every weight on the CPU in a type the C code takes (its struct rebuilt if a weight moved)."""
         if not covers(h, mask):
             return False
         addresses = tuple(t.data_ptr() for t in self._tensors)
@@ -204,7 +203,7 @@ def covers(h: torch.Tensor, mask: torch.Tensor | None) -> bool:
         return False
     rows = h.shape[1]
     prompt = rows > PROMPT_ROWS and (mask is None or mask.shape[-1] == rows)
-    return (h.shape[0] == 1 and 1 <= rows <= kernels.MAX_ROWS and not prompt
+    return (h.shape[0] == 1 and rows >= 1 and not prompt
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:2] == (1, 1))))
 
 

@@ -21,16 +21,29 @@ forms: the skinny kernel streams the bf16 weights (half of fp32's bytes), widens
 fp32; its result is rounded to bf16 as torch's kernel rounds it. torch's own bf16 kernel on an AMD EPYC with
 native bf16 instructions made a one-row forward slower than fp32's (36 ms against 30).
 
-`install` times each form on every distinct weight shape of the model, for 1 ... 64 rows, calling the
-model's own modules of that shape in turn so that the weights come from memory as they do in a forward,
-and routes each row count through the fastest. Larger products (a prefill) keep the stock kernel. The choice is saved
-per CPU, thread count and shape (`<cache>/kernels/`), so later loads read it instead of timing again.
+`install` routes every distinct weight shape of the model, for 1 ... 64 rows, through the skinny form where this
+machine builds it (`choose` says why no timing picks another); elsewhere it times torch's and the transposed form,
+calling the model's own modules of that shape in turn so that the weights come from memory as they do in a forward,
+and routes each row count through the faster. The choice is saved per CPU, thread count and shape
+(`<cache>/kernels/`), so later loads read it instead of timing again.
 
-The model's decoder layers call the skinny form directly where they run in C (`specgui/cpu_layers.py`, fp32, up to
-MAX_ROWS rows); the choice here routes every other call (the LM head, a bf16 model, layers of other shapes).
-It is installed on the model's own `nn.Linear` modules, so everything that runs the model benefits alike,
-transformers' `generate` (and its prompt lookup) included: comparisons stay like for like.
-`python -m specgui bench --small-batch-matmul off` measures without it.
+Exactness, where rows are bit-equal by construction and where only within rounding:
+  * Bit-equal on every machine that builds the skinny library: a row of any product of 1 row or more through the
+    skinny form (fp32, bf16, int8), and so, with the decoder layers in C (`specgui/cpu_layers.py`), every row of a
+    forward that follows a cached prefix, at any row count, against the plain steps that produce the same tokens:
+    a verify's rows, a tree's, a draft pass's. Greedy identity leans on this.
+  * Within rounding only: a prompt's prefill of more than `cpu_layers.PROMPT_ROWS` rows (BLAS; the same numbers for
+    every method, so nothing compares its rows with others), transformers' modules (a bf16 model's attention and
+    norms, layers of other shapes, tests' references), and everything on a machine without the skinny library or on
+    a GPU: there a verify's row can differ from the plain step's in the last bits (the shape of a BLAS product picks
+    its summation order), greedy identity holds except at a near-tie of the top two logits, and the margins the
+    decode loop records say where.
+
+The model's decoder layers call the skinny form directly where they run in C (`specgui/cpu_layers.py`, fp32); the
+choice here routes every other call (the LM head, a bf16 model, layers of other shapes). It is installed on the
+model's own `nn.Linear` modules, so everything that runs the model benefits alike, transformers' `generate` (and its
+prompt lookup) included: comparisons stay like for like. `python -m specgui bench --small-batch-matmul off` measures
+without it.
 """
 
 from __future__ import annotations
@@ -59,7 +72,6 @@ FORMS = ("stock", "transposed", "skinny")
 DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes the forms are chosen for
 MAX_ROWS = 64
 PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # row counts timed (the cost profile's); others take the one below
-SKINNY_MARGIN = 1.1  # another form replaces skinny only when measured this much faster (`choose`)
 CHOICE_REPEATS = 7  # timings of each form per row count; the least counts (`choose`)
 STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
@@ -133,27 +145,26 @@ def available_forms() -> tuple[str, ...]:
 
 
 def choose(modules: list[nn.Linear], offered: tuple[str, ...], repeats: int = CHOICE_REPEATS) -> list[str]:
-    """Per row count 0..MAX_ROWS, the fastest form on these modules' shape (the least of `repeats` timings: another
-    process's burst only ever adds time, and with medians of 3 the same shape took another form at 2, 3 or 4 rows
-    from one call to the next, one of them 4 ms a forward slower than skinny; index 0 unused).
+    """Per row count 0..MAX_ROWS, the form these modules' shape takes (index 0 unused).
 
-    The skinny form, where offered, is kept unless another is faster by more than `SKINNY_MARGIN`: timings on a
-    shared machine move by 10-20%, and a choice made in a noisy moment is saved for good. On an AMD EPYC, timed
-    beside a test suite, the k/v projection took the transposed form at one row and torch's at four, and a
-    4-row forward then cost 53 ms where 5 rows cost 46. Where skinny truly loses (16 rows of the down
-    projection, transposed by 20-30%) the other form still wins; and only skinny's rows come out the same
-    whatever rows share the call, so a tie leans its way."""
+    Where the skinny form is offered it takes every row count, untimed: it is the one form whose rows come out the
+    same whatever rows share the call, and a verify forward's rows must equal the plain steps that produce the same
+    tokens bit for bit (greedy identity leans on it). torch's kernel and the transposed form round a row differently
+    by the shape of the product on some CPUs (1.8e-7 in the LM head's logits on an Intel Xeon between one row and
+    four, where an AMD EPYC gave equality), so choosing them by speed, as this did, made exactness depend on the
+    machine. Elsewhere (no C compiler, no AVX2) the faster of the two is measured (the least of `repeats` timings:
+    another process's burst only ever adds time) and rows agree only within rounding."""
+    if "skinny" in offered:
+        return ["stock"] + ["skinny"] * MAX_ROWS
     weight = modules[0].weight
     cycle = modules[: max(1, min(len(modules), STREAM_BYTES // (weight.numel() * weight.element_size())))]
     best = []
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            passes = {form: [(FUNCTIONS[form], m.weight, m.bias, x) for m in cycle] for form in offered}
-            times = _least_s(passes, repeats)
-            fastest = min(times, key=times.get)
-            keep = "skinny" in times and times["skinny"] <= SKINNY_MARGIN * times[fastest]
-            best.append("skinny" if keep else fastest)
+            times = _least_s({form: [(FUNCTIONS[form], m.weight, m.bias, x) for m in cycle] for form in offered},
+                             repeats)
+            best.append(min(times, key=times.get))
     return ["stock"] + [best[max(i for i, n in enumerate(PROBE_ROWS) if n <= r)] for r in range(1, MAX_ROWS + 1)]
 
 
@@ -215,9 +226,10 @@ def _call(function: Callable[..., int], x: torch.Tensor, weight: torch.Tensor,
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias, width = self.weight, self.bias, x.shape[-1]
     rows = x.numel() // width
-    if rows > MAX_ROWS or x.dtype != weight.dtype or x.requires_grad or self.row_forms[rows] == "stock":
+    form = self.row_forms[min(rows, MAX_ROWS)]  # past MAX_ROWS only the row-independent form goes on (`choose`)
+    if (rows > MAX_ROWS and form != "skinny") or x.dtype != weight.dtype or x.requires_grad or form == "stock":
         return nn.functional.linear(x, weight, bias)
-    out = FUNCTIONS[self.row_forms[rows]](weight, bias, x.reshape(rows, width))
+    out = FUNCTIONS[form](weight, bias, x.reshape(rows, width))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -302,7 +314,7 @@ def _least_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]:
 
 def _choice_path(cache_dir: Path) -> Path:
     key = (f"{cpu_name()} x{torch.get_num_threads()} torch {torch.__version__} {_source_digest()}"
-           f" margin {SKINNY_MARGIN} least of {CHOICE_REPEATS}")
+           f" row-independent least of {CHOICE_REPEATS}")
     return cache_dir / "kernels" / f"choices-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 

@@ -9,8 +9,14 @@ That lets a caller
   * rewrite hidden states before a layer (`pre_layer`, how Fractal splices compressed passes in),
   * compute logits only for the rows it needs (the LM head is a large share of a small model).
 
-With nothing skipped and the default causal visibility the result equals `model.forward`; a test holds
-it to that. Layers may live on different devices (accelerate's `device_map`): hidden states, rotary
+With nothing skipped and the default causal visibility the result equals `model.forward` within rounding; a test holds
+it to that. Exactness between the runner's own forwards: on a CPU that builds the skinny library, a row of a forward
+that follows a cached prefix (a verify, a tree, a draft pass, at any row count) equals, bit for bit, the plain step that
+produces the same token over the same prefix, on every such machine: its decoder layers run in C and its products (LM
+head included) through the skinny kernel, whose rows never depend on the rows beside them (`specgui/kernels.py` lists
+exactly where this holds and where rows agree only within rounding: a long prompt's prefill, transformers' modules, a
+GPU). Greedy identity leans on it; what differs only within rounding is compared with a tolerance derived from the
+arithmetic (`tests/helpers.py`). Layers may live on different devices (accelerate's `device_map`): hidden states, rotary
 tables and masks follow each layer to its execution device.
 """
 

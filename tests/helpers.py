@@ -25,7 +25,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgui import costs, cpu_layers, decode, methods
+from specgui import costs, cpu_layers, decode, kernels, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
@@ -74,13 +74,39 @@ def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int 
                         eos_token_id=eos, bos_token_id=None, pad_token_id=None)
     model = model_cls(config).eval()
     model.set_attn_implementation(attn)
-    if cpu:
+    if cpu:  # as `loading.load` does: the machine's own matmul forms, then the C layers
+        kernels.install(model)
         cpu_layers.install(model)
     runner = Runner(model)
     return LoadedModel(spec=ModelSpec(name=f"tiny-{arch}"), name=f"tiny-{arch}", model=model,
                        tokenizer=CharTokenizer(vocab, eos), runner=runner,
                        stop_ids=frozenset() if eos is None else frozenset({eos}), max_context=1024, load_s=0.0,
                        source="in-process")
+
+
+def rounding_bound(length: int, magnitude: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """How far apart two computations of one sum of `length` products may land when they add in different orders
+    (another BLAS blocking, another row count, another thread split), element-wise: each lies within
+    gamma_n * sum|terms| of the exact sum, gamma_n = n*u / (1 - n*u) with u fp32's unit roundoff (Higham, *Accuracy
+    and Stability of Numerical Algorithms*, 2nd ed., eq. 3.5), so the two within twice that. `magnitude` is
+    sum|terms| or a bound on it; a result stored in a narrower `dtype` adds one rounding of it on either side."""
+    u = torch.finfo(torch.float32).eps / 2
+    gamma = length * u / (1 - length * u)
+    magnitude = torch.as_tensor(magnitude, dtype=torch.float64)
+    return 2 * gamma * magnitude + 2 * (torch.finfo(dtype).eps / 2) * magnitude * (dtype != torch.float32)
+
+
+def assert_within_rounding(got: torch.Tensor, want: torch.Tensor, length: int, magnitude: torch.Tensor | float) -> None:
+    """`got` and `want` differ by no more than `rounding_bound` allows (a tolerance derived from the arithmetic, not
+    a number that happened to pass on one CPU)."""
+    gap = (got.double() - want.double()).abs()
+    bound = rounding_bound(length, magnitude, got.dtype)
+    assert bool((gap <= bound).all()), f"off by {float((gap - bound).max()):.3g} past the rounding bound"
+
+
+def product_magnitude(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_k |x[i, k] * weight[j, k]| for every output [i, j] of `x @ weight.T`: the scale of its rounding."""
+    return x.double().abs() @ weight.double().abs().T
 
 
 _BASELINES: dict[tuple[int, tuple[int, ...], int], decode.Result] = {}

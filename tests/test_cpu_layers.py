@@ -52,9 +52,11 @@ def test_layers_compute_what_the_modules_do(skinny_build, arch, window):
 def test_a_verify_row_equals_the_plain_step_bit_for_bit():
     """A tree verify's rows on an accepted path equal plain steps over that path exactly: each row sees its listed
     columns in order, whatever else the forward carries (a masked branch moves no other column's lane). The LM head
-    takes the skinny kernel, row-independent too."""
+    takes the form this machine chose for it (`tiny_model` installs them as loading does): the row-independent
+    skinny kernel wherever it builds, so the promise is checked with the machine's own forms."""
+    if kernels.skinny_library() is None:
+        pytest.skip("no skinny library here: no C layers, and rows agree only within rounding")
     lm = tiny_model(seed=5)
-    kernels.install(lm.model, forced="skinny")
     runner = lm.runner
     with torch.inference_mode():
         cache = KVCache()
@@ -70,15 +72,16 @@ def test_a_verify_row_equals_the_plain_step_bit_for_bit():
     assert not torch.equal(causal[2], tree[2])  # c after a and b is another row: the check above is not vacuous
 
 
-@pytest.mark.parametrize("hidden", [64, 72, 256, 320])
-def test_long_rows_equal_plain_steps_and_the_modules(skinny_build, hidden):
+@pytest.mark.parametrize("hidden,rows", [(64, 20), (72, 20), (256, 20), (320, 20), (64, kernels.MAX_ROWS + 6)])
+def test_long_rows_equal_plain_steps_and_the_modules(skinny_build, hidden, rows):
     """Over a prefix longer than a block of keys, 20 causal rows (each row's own columns a block and more) equal 20
     plain steps bit for bit and transformers' modules within rounding: scores taken a block of keys at a time sum
     as one key at a time does, wherever a block starts. Head widths 16, 18, 64 and 80 take every path of the
-    value sums (whole spans of vectors, single vectors, a scalar tail)."""
-    lm = tiny_model(hidden=hidden, vocab=64, seed=6)
-    kernels.install(lm.model, forced="skinny")  # the LM head too: row-independent
-    runner, prefix, rows = lm.runner, 37, 20
+    value sums (whole spans of vectors, single vectors, a scalar tail). A verify wider than `kernels.MAX_ROWS` (the
+    Lookahead paper's window verifies 120 rows) keeps the C layers and the skinny LM head too, where BLAS would
+    round its rows by the product's shape."""
+    lm = tiny_model(hidden=hidden, vocab=64, seed=6)  # the machine's own forms: the LM head skinny, row-independent
+    runner, prefix = lm.runner, 37
     ids = torch.randint(0, 64, (prefix + rows,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         cache = KVCache()
