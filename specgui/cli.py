@@ -1,4 +1,5 @@
-"""Command line: `python -m specgui generate | bench | methods | profile | dv-search | gpucheck`.
+"""Command line: `python -m specgui generate | bench | presets | methods | profile | dv-search | gpucheck | suite-time |
+report`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -77,14 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--json", default=None, metavar="OUT.json")
     bench.add_argument("--profile", action="store_true", help="print time per phase and method figures")
+    bench.add_argument("--save", action="store_true", help="also write results/<machine>/heldout.json (what the "
+                       "docs' held-out table renders; run it on assets/heldout.jsonl)")
     add_model_args(bench)
     _sampling_args(bench)
+
+    demos = sub.add_parser("presets", help="measure every demo preset (configs/demos.yaml) against plain decoding")
+    demos.add_argument("--repeats", type=int, default=3)
+    demos.add_argument("--json", default=None, metavar="OUT.json")
+    demos.add_argument("--save", action="store_true", help="also write results/<machine>/presets.json")
+    demos.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
+    add_model_args(demos)
 
     sub.add_parser("methods", help="list methods and their parameters")
 
     prof = sub.add_parser("profile", help="the cost model's measured profile of a model on this device")
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the saved profile")
     prof.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
+    prof.add_argument("--save", action="store_true", help="also write results/<machine>/profile.json")
     add_model_args(prof)
 
     search = sub.add_parser("dv-search", help="search (or show the cached) Draft & Verify skip set for a model")
@@ -99,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "tests, identity, bf16, bench, shapes, syncs_launches, capture, switch, sdpa")
     check.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
     check.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    check.add_argument("--save", action="store_true", help="also write results/<machine>/gpucheck.json")
+
+    suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
+    suite.add_argument("--save", action="store_true", help="also write results/<machine>/suite.json")
+
+    rep = sub.add_parser("report", help="render results/*.json into README.md and docs/ between report markers")
+    rep.add_argument("--check", action="store_true", help="change nothing; exit 1 if a rendered block is stale")
     return parser
 
 
@@ -193,7 +211,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     settings = bench.Settings(max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=sampling,
                               fast_path=args.fast_path)
 
+    from specgui import results
+
+    origin = results.provenance(str(lm.runner.device))
+
     def save(report: dict) -> None:  # after every prompt, so that a stopped bench keeps its rows
+        report["provenance"] = origin
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
 
@@ -212,6 +235,40 @@ def cmd_bench(args: argparse.Namespace) -> None:
                            "rows": table}
         print("\n" + papers.format_table(report, preset))
         save(report)
+    if args.save:
+        print(f"saved {results.save('heldout', report, str(lm.runner.device))}")
+
+
+def cmd_presets(args: argparse.Namespace) -> None:
+    """Each demo preset's method against plain decoding on the preset's prompt, budget and parameters, `--repeats`
+    times (medians, as `bench` takes them): the table the README shows beside the preset picker."""
+    from specgui import bench, results
+    from specgui.ui.controls import examples, presets
+
+    if args.repeats < 1:
+        raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
+    chosen = presets(examples())  # checked before the model loads
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise SpecGUIError(f"cannot write results: folder {str(Path(args.json).resolve().parent)!r} does not exist")
+    lm = load_model(args)
+    out: dict[str, Any] = {"provenance": results.provenance(str(lm.runner.device)), "model": lm.name,
+                           "repeats": args.repeats, "presets": []}
+    for preset in chosen:
+        settings = bench.Settings(max_new_tokens=preset.max_new_tokens, repeats=args.repeats, fast_path=args.fast_path)
+        entries = bench.entries_for([preset.method], {preset.method: preset.params})
+        report = bench.bench(lm, [preset.example.row], entries, settings)
+        row = {"name": preset.name, "method": preset.method, "prompt": preset.example.row.id,
+               "max_new_tokens": preset.max_new_tokens, "params": preset.params,
+               "baseline_tokens_per_s": report["methods"]["baseline"]["tokens_per_s"],
+               **{k: report["methods"][preset.method][k] for k in
+                  ("speedup", "predicted_speedup", "ceiling", "mean_accepted", "identical", "total")}}
+        out["presets"].append(row)
+        print(f"{preset.method:<10} {preset.example.row.id:<16} {row['speedup']:.2f}x  tau "
+              f"{row['mean_accepted'] or 1.0:.2f}  {preset.name}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    if args.save:
+        print(f"saved {results.save('presets', out, str(lm.runner.device))}")
 
 
 def cmd_methods(args: argparse.Namespace) -> None:
@@ -236,6 +293,12 @@ def cmd_profile(args: argparse.Namespace) -> None:
     for name in methods.names():
         decode.run(lm, ids, name, max_new_tokens=8, fast_path=args.fast_path, profile=profile)
     print(profile.summary())
+    if args.save:
+        from specgui import results
+
+        data = {"provenance": results.provenance(str(lm.runner.device)), "model": lm.name, **profile.curve(),
+                "head": profile.head, "key": profile.key}
+        print(f"saved {results.save('profile', data, str(lm.runner.device))}")
 
 
 def cmd_dv_search(args: argparse.Namespace) -> None:
@@ -276,15 +339,54 @@ def cmd_gpucheck(args: argparse.Namespace) -> int:
                           progress=lambda name: print(f"gpucheck: {name} ...", file=sys.stderr, flush=True))
     print(gpucheck.summary_table(report))
     print(f"\n{report['seconds']:.0f} s; report in {out / 'report.md'} and {out / 'report.json'}")
+    if args.save:
+        from specgui import results
+
+        device = "cuda" if opts.cuda else "cpu"
+        print(f"saved {results.save('gpucheck', {'provenance': results.provenance(device), **report}, device)}")
     return 1 if any(t["pass"] is False for t in report["targets"]) else 0
+
+
+def cmd_suite_time(args: argparse.Namespace) -> int:
+    """Run the suite as README's test command runs it (two workers, one per core), time it, count the outcomes."""
+    import re
+    import subprocess
+    import time
+
+    from specgui import REPO_DIR, results
+
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    print(done.stdout[-3000:], done.stderr[-2000:], sep="\n")
+    closing = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", closing)}
+    data = {"provenance": results.provenance("cpu"), "seconds": seconds, "exit_code": done.returncode,
+            "passed": counts.get("passed", 0), "failed": counts.get("failed", 0), "skipped": counts.get("skipped", 0),
+            "errors": counts.get("error", 0) + counts.get("errors", 0), "workers": 2}
+    print(f"suite: {seconds:.0f} s, {data['passed']} passed, {data['failed']} failed, {data['skipped']} skipped")
+    if args.save:
+        print(f"saved {results.save('suite', data, 'cpu')}")
+    return done.returncode
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from specgui import report
+
+    stale = report.render_all(check=args.check)
+    for path, name in stale:
+        print(f"{path}: block {name!r} {'differs from its results JSON' if args.check else 'rendered'}")
+    return 1 if args.check and stale else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
         args = build_parser().parse_args(argv)
-        commands = {"generate": cmd_generate, "bench": cmd_bench, "methods": cmd_methods, "profile": cmd_profile,
-                    "dv-search": cmd_dv_search, "gpucheck": cmd_gpucheck}
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "presets": cmd_presets, "methods": cmd_methods,
+                    "profile": cmd_profile, "dv-search": cmd_dv_search, "gpucheck": cmd_gpucheck,
+                    "suite-time": cmd_suite_time, "report": cmd_report}
         status = commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,99 @@
+"""Measured results as data: every figure the docs show is a JSON file under `results/<machine>/`, written by the
+command that measured it, with its provenance.
+
+Why: a figure typed into a README drifts from the code, loses the machine it was measured on, and cannot be checked.
+Here a measuring command (`bench --save`, `presets --save`, `profile --save`, `gpucheck --save`, `suite-time --save`)
+writes `results/<machine>/<kind>.json` holding `"provenance"` (the command, commit, date, device, library versions)
+beside its data; `python -m specgui report` renders the tables into README.md and docs/ from those files
+(`specgui/report.py`), and `report --check` fails when a rendered table no longer matches its file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from specgui import REPO_DIR
+
+RESULTS_DIR = REPO_DIR / "results"
+KINDS = ("heldout", "presets", "profile", "gpucheck", "suite")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO_DIR, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def commit() -> str | None:
+    """HEAD's hash, with "-dirty" when tracked files differ from it (the figures then belong to no commit exactly);
+    None outside a git checkout."""
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        return None
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return head + ("-dirty" if dirty else "")
+
+
+def device_name(device: str = "cpu") -> str:
+    """What the figures were measured on, e.g. 'Intel(R) Xeon(R) Processor, 2 cores' or 'NVIDIA H100 80GB HBM3'."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    from specgui.kernels import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def machine_slug(device: str = "cpu") -> str:
+    """The folder a machine's results go to: 'cpu-' or 'gpu-' and the device's name in lower-case words, e.g.
+    'cpu-intel-xeon-processor-2c' (a machine of another model or core count gets a folder of its own)."""
+    name = device_name(device)
+    words = re.sub(r"\((r|tm)\)|cpu|@.*|\d+ cores", " ", name.lower())
+    slug = "-".join(re.findall(r"[a-z0-9]+", words))[:40].strip("-")
+    kind = "gpu" if device.startswith("cuda") else "cpu"
+    return f"{kind}-{slug}" + (f"-{os.cpu_count()}c" if kind == "cpu" else "")
+
+
+def provenance(device: str = "cpu", argv: list[str] | None = None) -> dict[str, Any]:
+    """Where a result comes from: the command as typed, the commit, the UTC date, the device, the versions."""
+    import torch
+    import transformers
+
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "command": "python -m specgui " + " ".join(args),
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def path_for(kind: str, device: str = "cpu") -> Path:
+    """`results/<machine>/<kind>.json` for this machine."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown result kind {kind!r}")
+    return RESULTS_DIR / machine_slug(device) / f"{kind}.json"
+
+
+def save(kind: str, data: dict[str, Any], device: str = "cpu") -> Path:
+    """Write `data` (which holds its "provenance") as this machine's result of `kind`; returns the path."""
+    if "provenance" not in data:
+        raise ValueError("a result needs its provenance")
+    path = path_for(kind, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return path
