@@ -11,13 +11,16 @@ from __future__ import annotations
 # hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
 from specgui import hosting  # noqa: F401  (imported for that side effect; the page reads its policy)
 from specgui.errors import SpecGUIError
+from specgui.ui import runs
 from specgui.ui.page import App, launch_options
 
 
 def main() -> None:
     app = App()
     try:
-        app.store.get(app.default_model)
+        lm = app.store.get(app.default_model)
+        # the demo presets' first runs priced as well as a bench's: calibrated by measured steps, saved once
+        runs.calibrate(lm, [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in app.presets.values()])
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
         print(f"warning: {exc}")
     app.build().queue(default_concurrency_limit=1).launch(**launch_options())

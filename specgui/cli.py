@@ -1,5 +1,5 @@
 """Command line: `python -m specgui generate | bench | presets | methods | profile | dv-search | gpucheck | suite-time |
-report`.
+stage-picture | report`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
     suite.add_argument("--save", action="store_true", help="also write results/<machine>/suite.json")
 
+    shot = sub.add_parser("stage-picture", help="take README's picture again: a finished race in the stage view")
+    shot.add_argument("--out", default="assets/stage-race.png", metavar="FILE.png")
+    shot.add_argument("--preset", default=None, help="a demo preset's name (default: the first)")
+
     rep = sub.add_parser("report", help="render results/*.json into README.md and docs/ between report markers")
     rep.add_argument("--check", action="store_true", help="change nothing; exit 1 if a rendered block is stale")
     return parser
@@ -213,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from specgui import results
 
-    origin = results.provenance(str(lm.runner.device))
+    origin = results.provenance(str(lm.runner.device), args.argv)
 
     def save(report: dict) -> None:  # after every prompt, so that a stopped bench keeps its rows
         report["provenance"] = origin
@@ -251,7 +255,7 @@ def cmd_presets(args: argparse.Namespace) -> None:
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise SpecGUIError(f"cannot write results: folder {str(Path(args.json).resolve().parent)!r} does not exist")
     lm = load_model(args)
-    out: dict[str, Any] = {"provenance": results.provenance(str(lm.runner.device)), "model": lm.name,
+    out: dict[str, Any] = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
                            "repeats": args.repeats, "presets": []}
     for preset in chosen:
         settings = bench.Settings(max_new_tokens=preset.max_new_tokens, repeats=args.repeats, fast_path=args.fast_path)
@@ -296,8 +300,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     if args.save:
         from specgui import results
 
-        data = {"provenance": results.provenance(str(lm.runner.device)), "model": lm.name, **profile.curve(),
-                "head": profile.head, "key": profile.key}
+        data = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
+                **profile.curve(), "head": profile.head, "key": profile.key}
         print(f"saved {results.save('profile', data, str(lm.runner.device))}")
 
 
@@ -343,7 +347,8 @@ def cmd_gpucheck(args: argparse.Namespace) -> int:
         from specgui import results
 
         device = "cuda" if opts.cuda else "cpu"
-        print(f"saved {results.save('gpucheck', {'provenance': results.provenance(device), **report}, device)}")
+        data = {"provenance": results.provenance(device, args.argv), **report}
+        print(f"saved {results.save('gpucheck', data, device)}")
     return 1 if any(t["pass"] is False for t in report["targets"]) else 0
 
 
@@ -362,13 +367,19 @@ def cmd_suite_time(args: argparse.Namespace) -> int:
     print(done.stdout[-3000:], done.stderr[-2000:], sep="\n")
     closing = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", closing)}
-    data = {"provenance": results.provenance("cpu"), "seconds": seconds, "exit_code": done.returncode,
+    data = {"provenance": results.provenance("cpu", args.argv), "seconds": seconds, "exit_code": done.returncode,
             "passed": counts.get("passed", 0), "failed": counts.get("failed", 0), "skipped": counts.get("skipped", 0),
             "errors": counts.get("error", 0) + counts.get("errors", 0), "workers": 2}
     print(f"suite: {seconds:.0f} s, {data['passed']} passed, {data['failed']} failed, {data['skipped']} skipped")
     if args.save:
         print(f"saved {results.save('suite', data, 'cpu')}")
     return done.returncode
+
+
+def cmd_stage_picture(args: argparse.Namespace) -> None:
+    from specgui import picture
+
+    print(f"saved {picture.take(Path(args.out), args.preset)}")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -384,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(argv) if argv is not None else sys.argv[1:]  # a result's provenance names the command
         commands = {"generate": cmd_generate, "bench": cmd_bench, "presets": cmd_presets, "methods": cmd_methods,
                     "profile": cmd_profile, "dv-search": cmd_dv_search, "gpucheck": cmd_gpucheck,
-                    "suite-time": cmd_suite_time, "report": cmd_report}
+                    "suite-time": cmd_suite_time, "stage-picture": cmd_stage_picture, "report": cmd_report}
         status = commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -29,7 +29,9 @@ Predictions: a step that drafts with extra work `extra_ms` and verifies `rows` t
 `extra_ms + verify_ms(rows)`, where `verify_ms` is the forward plus the loop's own per-step cost; it pays
 off when tau / (its cost / `step`) > 1, i.e. when tau exceeds the break-even tau (its cost / `step`).
 
-What the steps then measure corrects those prices (`Calibration`, one per profile in a process): a profile is a
+What the steps then measure corrects those prices (`Calibration`, one per profile, saved with it after every run,
+so that a fresh process, the app's first run included, starts from what earlier runs on this profile learnt, and
+a profile measured again starts afresh): a profile is a
 few seconds of one moment, and on a shared CPU the moment moves (one-row forwards of 15.9 and 26.1 ms minutes
 apart, AMD EPYC) and moves the shape of the curve with it (in a fast moment the extra rows' arithmetic shows, in a
 slow one the weights' traffic hides it): the profile of 09:24 UTC priced an 8-row verify 1.09x a plain step where
@@ -101,7 +103,7 @@ class CostProfile:
     measure_s: float = 0.0
     path: str = ""  # where it is saved ("" for none)
     measured_at: float = 0.0  # when it was measured (Unix time; 0: unknown, e.g. built by hand)
-    # what this process's steps measured against these prices (never saved: a property of the moment)
+    # what decoded steps measured against these prices (saved with the profile: `to_dict`, `_read`)
     calibration: Calibration = field(default_factory=lambda: Calibration(), init=False, repr=False, compare=False)
 
     # -- predictions ----------------------------------------------------------------------------------------
@@ -182,7 +184,8 @@ class CostProfile:
     def curve(self) -> dict[str, Any]:
         """The forward curve and the plain step, for events: what the app draws, even in a replay."""
         return {"sizes": self.sizes, "contexts": self.contexts, "forward": self.forward, "step": self.step,
-                "loop": self.loop_ms, "device": self.key.get("device", ""), "measured_at": self.measured_at}
+                "loop": self.loop_ms, "device": self.key.get("device", ""), "measured_at": self.measured_at,
+                "uncalibrated": self.calibrated and not self.calibration.learnt}
 
     def origin(self) -> str:
         """Where and when it was measured, e.g. 'measured 2026-11-24 19:20 UTC on cpu AMD EPYC 7B13 x2': what
@@ -192,8 +195,9 @@ class CostProfile:
     # -- storage --------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The measured profile as plain data (what is saved; the process's calibration is not)."""
-        return {k: v for k, v in asdict(self).items() if k != "calibration"}
+        """The measured profile as plain data with what its calibration has learnt (what is saved)."""
+        return {**{k: v for k, v in asdict(self).items() if k != "calibration"},
+                "calibration": self.calibration.to_dict()}
 
     def save(self) -> None:
         if not self.path:
@@ -260,6 +264,27 @@ class Calibration:
             s, w = self.verify.get(rows, (0.0, 0.0))
             self._read[rows] = math.exp((s + CALIBRATION_PRIOR * _level(others, rows)) / (w + CALIBRATION_PRIOR))
         return self._read[rows]
+
+    @property
+    def learnt(self) -> bool:
+        """Whether any step has been learnt: a profile's prices before that are uncalibrated."""
+        return bool(self.verify or self.work)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What was learnt, as JSON (saved with the profile it corrects)."""
+        return {"verify": {str(rows): list(v) for rows, v in self.verify.items()},
+                "work": {method: list(v) for method, v in self.work.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        """A calibration read back (anything malformed reads as nothing learnt)."""
+        found = cls()
+        try:
+            found.verify = {int(rows): (float(s), float(w)) for rows, (s, w) in data.get("verify", {}).items()}
+            found.work = {str(method): (float(s), float(w)) for method, (s, w) in data.get("work", {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            return cls()
+        return found
 
     def work_ratio(self, method: str) -> float:
         """Measured over priced for `method`'s own drafting work."""
@@ -568,7 +593,9 @@ def _safe(name: str) -> str:
 def _read(path: Path, key: dict[str, Any]) -> CostProfile | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        learnt = data.pop("calibration", {})
         profile = CostProfile(**data)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
+    profile.calibration = Calibration.from_dict(learnt if isinstance(learnt, dict) else {})
     return profile if profile.key == key else None

@@ -162,11 +162,21 @@ class Summary:
     text: str
     predicted_s: float = 0.0  # the prompt forward as measured + every step as the cost model prices it
     plain_s: float = 0.0  # the prompt forward as measured + plain steps for the same tokens, priced alike
+    prompt_s: float = 0.0  # the prompt forward as measured, in both of the above (0: a trace from before it was kept)
 
     @property
     def predicted_speedup(self) -> float | None:
-        """The speedup the cost model predicts for this run's steps (None without a prediction)."""
+        """The overall speedup the cost model predicts for this run, prompt forward included, as the measured
+        tokens/s ratio counts it (None without a prediction)."""
         return self.plain_s / self.predicted_s if self.predicted_s > 0 and self.plain_s > 0 else None
+
+    @property
+    def predicted_per_step(self) -> float | None:
+        """The speedup the cost model predicts over the decode steps alone, the measured per-step figure's
+        counterpart (None without a prediction or in a trace that did not record the prompt forward)."""
+        if self.predicted_speedup is None or self.prompt_s <= 0 or self.predicted_s <= self.prompt_s:
+            return None
+        return (self.plain_s - self.prompt_s) / (self.predicted_s - self.prompt_s)
 
 
 Event = Start | Prefill | Step | Summary
@@ -210,6 +220,7 @@ def summarize(
         text=text,
         predicted_s=prompt_s + sum(s.predicted_ms for s in steps) / 1000 if predicted else 0.0,
         plain_s=prompt_s + sum(len(s.emitted) * s.plain_ms for s in steps) / 1000 if predicted else 0.0,
+        prompt_s=prompt_s,
     )
 
 

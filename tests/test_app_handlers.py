@@ -202,8 +202,8 @@ def test_the_api_page_lists_only_generate_compare_and_replay_with_named_paramete
              for name, endpoint in info["named_endpoints"].items()}
     assert named == {"/generate": ["prompt", "method", "max_new_tokens", "temperature", "model"],
                      "/compare": ["methods", "category", "prompts_per_category", "max_new_tokens", "repeats", "preset"],
-                     "/replay": ["trace", "speed"]}
-    assert list(named) == ["/generate", "/compare", "/replay"] and not info["unnamed_endpoints"]
+                     "/replay": ["trace", "speed"], "/preset": ["preset"]}
+    assert list(named) == ["/generate", "/compare", "/replay", "/preset"] and not info["unnamed_endpoints"]
 
 
 # -- the verdict, the race, repeats ---------------------------------------------------------------------------

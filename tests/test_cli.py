@@ -1,5 +1,6 @@
 """The command line: real runs on the embedded model, and one-line errors for bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -129,3 +130,28 @@ def test_methods_lists_the_registry(capfd):
     assert main(["methods"]) == 0
     out = capfd.readouterr().out
     assert "baseline" in out and "num_draft" in out
+
+
+def test_the_measuring_and_rendering_commands_refuse_bad_input_in_one_line(capsys, tmp_path):
+    """stage-picture, presets and report check their arguments before anything loads or runs."""
+    assert main(["stage-picture", "--out", str(tmp_path / "missing" / "x.png")]) == 2
+    assert main(["presets", "--repeats", "0"]) == 2
+    assert main(["presets", "--json", str(tmp_path / "missing" / "out.json")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(e.startswith("error: ") for e in errors), errors
+    assert "does not exist" in errors[0] and "--repeats must be >= 1" in errors[1]
+
+
+def test_presets_measures_every_demo_preset_against_baseline(in_process, tmp_path, monkeypatch):
+    """One preset, one repeat, a short budget (the command reads configs/demos.yaml through the app's loader)."""
+    from specgui.ui import controls
+
+    chosen = controls.presets(controls.examples())[:1]
+    monkeypatch.setattr(controls, "presets", lambda examples: [dataclasses.replace(chosen[0], max_new_tokens=8)])
+    out = tmp_path / "presets.json"
+    printed = in_process("presets", "--repeats", "1", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["provenance"]["command"].startswith("python -m specgui") and data["repeats"] == 1
+    [row] = data["presets"]
+    assert row["method"] == chosen[0].method and row["speedup"] > 0 and row["identical"] == 1 == row["total"]
+    assert f"{row['speedup']:.2f}x" in printed

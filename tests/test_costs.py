@@ -228,8 +228,8 @@ def test_a_process_waiting_on_another_ones_measurement_takes_what_it_saved(cache
 def test_mechanisms_measured_by_two_holders_of_one_file_are_both_kept(cache_dir):
     lm = tiny_model(seed=4)
     a = costs.profile_for(lm, fast_path=False)
-    b = costs.CostProfile(**json.loads(Path(a.path).read_text()))  # another process's copy of the same file
-    b.path = a.path
+    b = costs._read(Path(a.path), a.key)  # another process's copy of the same file
+    assert b is not None and b is not a
     a.mechanism("x.one", lambda: 1.0)
     b.mechanism("x.two", lambda: 2.0)
     assert json.loads(Path(a.path).read_text())["mechanisms"] == {"x.one": 1.0, "x.two": 2.0}
@@ -270,4 +270,22 @@ def test_steps_price_what_the_steps_before_them_measured(cache_dir):
     spent = sorted(s.draft_ms + s.verify_ms for s in late)[len(late) // 2]
     assert sorted(s.predicted_ms for s in late)[len(late) // 2] > 2 * cheap.plain_ms(70)
     assert spent / 2 < sorted(s.predicted_ms for s in late)[len(late) // 2] < spent * 2
-    assert "calibration" not in json.loads(Path(measured.path).read_text())
+    assert json.loads(Path(measured.path).read_text())["forward"] == measured.forward  # the measured prices stay
+
+
+def test_what_calibration_learnt_is_saved_with_its_profile_and_read_back(cache_dir):
+    """A fresh process (the app's first run) starts from what earlier runs on the same profile learnt, and says
+    whether its prices were calibrated at all; a profile measured again starts afresh."""
+    lm = tiny_model(seed=4)
+    profile = costs.profile_for(lm, fast_path=False)
+    assert profile.curve()["uncalibrated"] is True
+    decode.run(lm, list(range(3, 20)), "pld", max_new_tokens=12, profile=profile)
+    assert profile.calibration.learnt and profile.curve()["uncalibrated"] is False
+    again = costs._read(Path(profile.path), profile.key)  # what another process reads
+    assert again.calibration.verify == profile.calibration.verify  # JSON keeps a float exactly
+    assert again.calibration.work == profile.calibration.work and again.curve()["uncalibrated"] is False
+    assert costs.Calibration.from_dict({"verify": {"x": 1}}).learnt is False  # malformed: nothing learnt
+    fresh = costs.remeasure(lm, False)
+    assert not fresh.calibration.learnt and fresh.curve()["uncalibrated"] is True
+    hand_made = dataclasses.replace(profile, measured_at=0.0, path="")
+    assert hand_made.curve()["uncalibrated"] is False  # a price list taken as given is not corrected at all

@@ -209,15 +209,34 @@ def test_why_decomposes_the_speedup_exactly_into_tau_and_step_cost():
                                         "verify of 3 tokens 1.10, other 0.01); break-even tau 1.61.")
 
 
-def test_why_says_what_the_cost_model_predicted():
+def test_why_puts_each_measured_figure_beside_the_prediction_of_the_same_thing():
+    """Per step beside per step, overall (prompt forward counted) beside overall: never one kind beside the other."""
     priced = [dataclasses.replace(step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)), predicted_ms=75.0,
                                   plain_ms=50.0) for i in range(4)]
     reason = why(_timed("pld", priced), _timed("baseline", _plain(12)))
     summary = _timed("pld", priced).summary
+    assert reason.predicted_per_step == pytest.approx(12 * 50.0 / (4 * 75.0))  # the steps alone: 2.00x
     assert reason.predicted == pytest.approx(summary.plain_s / summary.predicted_s)
-    assert reason.predicted > 1.5  # 4 steps priced at 75 ms against 12 plain steps of 50 ms, and the prompt
-    assert reason.sentence().startswith(f"1.86× per step (predicted {reason.predicted:.2f}×): tau 3.00;")
-    assert f"Counting the prompt forward: {reason.overall:.2f}× overall." in reason.sentence()
+    assert reason.predicted < reason.predicted_per_step  # the prompt forward, as measured, dilutes it
+    assert summary.prompt_s > 0
+    assert reason.sentence().startswith("1.86× per step (predicted 2.00×): tau 3.00;")
+    assert f"Counting the prompt forward: {reason.overall:.2f}× overall (predicted {reason.predicted:.2f}×)." \
+        in reason.sentence()
+    old_trace = dataclasses.replace(summary, prompt_s=0.0)  # a trace from before the prompt forward was kept
+    assert old_trace.predicted_per_step is None and old_trace.predicted_speedup == summary.predicted_speedup
+
+
+def test_an_uncalibrated_prediction_says_so():
+    priced = [dataclasses.replace(step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)), predicted_ms=75.0,
+                                  plain_ms=50.0) for i in range(4)]
+    costs = {"sizes": [1], "contexts": [128], "forward": [[40.0]], "step": 50.0, "loop": 10.0,
+             "device": "cpu AMD EPYC x2", "measured_at": 1795000000.0}
+    for uncalibrated in (True, False):
+        first = dataclasses.replace(start("pld"), costs={**costs, "uncalibrated": uncalibrated})
+        text = why(view_of(run(first, prefill(), *priced)), _timed("baseline", _plain(12))).sentence()
+        assert ("(predicted 2.00×, uncalibrated): tau" in text) is uncalibrated
+        assert ("(predicted 2.00×): tau" in text) is not uncalibrated
+        assert (text.count(", uncalibrated)") == 2) is uncalibrated  # the overall prediction too
 
 
 def test_why_names_the_profile_that_priced_the_run():

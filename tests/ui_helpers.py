@@ -3,7 +3,6 @@ and the app served on a free port."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,7 +10,7 @@ from typing import Any
 
 from specgui.events import Event, Prefill, Start, Step, summarize
 from specgui.loading import LoadedModel, check, load
-from specgui.ui.page import App, launch_options
+from specgui.ui.page import App, served_locally
 from specgui.ui.runs import ModelStore
 
 
@@ -79,15 +78,8 @@ def holding(lm: LoadedModel) -> ModelStore:
 def served(lm: LoadedModel) -> Iterator[tuple[App, str]]:
     """The page sharing `lm`, launched on a free port: (app, url)."""
     app = App(holding(lm))
-    demo = app.build().queue(default_concurrency_limit=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **launch_options())
-    try:
-        yield app, f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with served_locally(app) as url:
+        yield app, url
 
 
 def slowed(lm: LoadedModel, monkeypatch: Any, seconds: float = 0.002) -> None:

@@ -28,6 +28,7 @@ import logging
 import queue
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -166,6 +167,7 @@ class App:
             gr.api(self.generate_api, api_name="generate", concurrency_id="model", concurrency_limit=1)
             gr.api(self.compare_api, api_name="compare", concurrency_id="model", concurrency_limit=1)
             gr.api(self.replay_api, api_name="replay")
+            gr.api(self.preset_api, api_name="preset", concurrency_id="model", concurrency_limit=1)
         return demo
 
     def _bar(self) -> None:
@@ -639,6 +641,33 @@ class App:
         except Exception as exc:
             raise gr.Error(_failure(exc)) from None
 
+    def preset_api(self, preset: str) -> dict:
+        """Run one demo preset (`configs/demos.yaml`) as Run does on the page, the method and then plain decoding,
+        and return the verdict: the speedup, the why line the page shows under it, and both runs' summaries."""
+        try:
+            chosen = self.presets.get(str(preset))
+            if chosen is None:
+                raise SpecGUIError(f"unknown preset {str(preset)[:80]!r}: choose from {', '.join(self.presets)}")
+            example = chosen.example
+            request = RunRequest(method=chosen.method, prompt=controls.prompt_for(example.row.preview, example),
+                                 max_new_tokens=chosen.max_new_tokens, sampling=Sampling(), params=chosen.params,
+                                 model=self._checked_model(""), prompt_text=example.row.preview)
+            pair = _pair()
+            for tick in runs.live(self.store, self.cache, request, threading.Event()):
+                pair[tick.pane].extend(tick.events)
+            method, baseline = pair[METHOD], pair[BASELINE]
+            if not (method.done and baseline.done and comparable(method, baseline)):
+                raise SpecGUIError("the preset's runs did not finish")
+        except Exception as exc:
+            raise gr.Error(_failure(exc)) from None
+        reason = why(method, baseline)
+        return {"preset": chosen.name, "method": chosen.method, "speedup": method.tokens_per_s / baseline.tokens_per_s,
+                "why": reason.sentence() if reason else "", "per_step": reason.per_step if reason else None,
+                "predicted_per_step": reason.predicted_per_step if reason else None,
+                "overall": reason.overall if reason else None, "predicted": reason.predicted if reason else None,
+                "uncalibrated": reason.uncalibrated if reason else None,
+                "summaries": {pane: to_json(view.summary) for pane, view in pair.items()}}
+
     def replay_api(self, trace: str, speed: float = 1.0) -> Iterator[dict]:
         """Stream a recorded trace's events at their recorded pace, `speed` times faster; no model is used. `trace` is
         the JSON text of a trace file, or a file's path on the server (on a public deployment only an upload's)."""
@@ -660,6 +689,21 @@ def _model_help() -> str:
     if hosting.is_public():
         return "this deployment serves: " + ", ".join(hosting.allowed_models())
     return "'embedded' (SmolLM2-135M-Instruct), a hub id or a local directory"
+
+
+@contextlib.contextmanager
+def served_locally(app: App) -> Iterator[str]:
+    """`app`'s page launched as app.py launches it (one queue, the page's theme), on a free loopback port, for a
+    headless browser or a client in this process (a test, the stage picture): its URL, closed afterwards."""
+    demo = app.build().queue(default_concurrency_limit=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **launch_options())
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
 
 
 def launch_options() -> dict[str, Any]:

@@ -241,6 +241,23 @@ def gpu_profile(lm: LoadedModel, fast: bool, measure: bool) -> tuple[CostProfile
     return costs.lookup(lm, fast, run=decode.run)
 
 
+@hosting.gpu(duration=300)
+def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int = 16) -> int:
+    """Before the first visitor: where the model's cost profile has learnt from no measured step yet, decode
+    `tokens` of each (prompt ids, method, parameters) and of plain decoding on each prompt, so that the app's
+    first run is priced as a bench's (whose warm-up does the same) and not by the raw profile, which a moment of
+    the machine can leave 10-20% off. What the steps teach is saved with the profile, so a later start finds it
+    learnt and skips this. Returns how many runs it decoded."""
+    fast = fastpath.resolve("auto", lm.runner)
+    profile = costs.profile_for(lm, fast, run=decode.run)
+    if profile.calibration.learnt:
+        return 0
+    for ids, method, params in runs:
+        for name, chosen in (("baseline", None), (method, params)):
+            decode.run(lm, ids, name, max_new_tokens=tokens, params=chosen, profile=profile)
+    return 2 * len(runs)
+
+
 def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequest,
                   profile: CostProfile | None = None) -> EventSource:
     """`gpu_decode` for `method` as a Worker source (the request's parameters apply to its own method); priced by

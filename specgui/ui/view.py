@@ -413,8 +413,11 @@ class Why:
     time per step). The cost splits into the draft, the verify forward (over `forward_tokens` tokens on
     average) and `other` (acceptance, cache cropping, the method's bookkeeping). `overall` is the measured
     tokens/s ratio, which also counts each run's prompt forward. The break-even tau is `cost`: the tokens a
-    step must yield to pay for itself. `predicted` is the cost model's speedup for the method's run
-    (`Summary.predicted_speedup`: its steps priced by the measured profile), None when it has none;
+    step must yield to pay for itself. Each measured figure stands beside the prediction of the same thing:
+    `predicted_per_step` (the run's steps priced by the cost profile, `Summary.predicted_per_step`) beside
+    `per_step`, `predicted` (the same with the prompt forward as measured, `Summary.predicted_speedup`) beside
+    `overall`; None where the run has none. `uncalibrated`: the profile's prices had not yet been corrected by any
+    measured step when the run began (`costs.Calibration`), and the prediction says so.
     `priced_by` names that profile (when and where it was measured, from the run's Start event), so a
     prediction from an old or foreign profile shows it. `why` is the one place that builds these fields.
     """
@@ -431,6 +434,8 @@ class Why:
     noise_check: bool = False  # baseline against itself: any difference from 1x is the machine's noise
     predicted: float | None = None
     priced_by: str = ""  # e.g. "measured 2026-11-24 19:20 UTC on cpu AMD EPYC x2"
+    predicted_per_step: float | None = None
+    uncalibrated: bool = False
 
     def sentence(self) -> str:
         """E.g. '1.31× per step (predicted 1.35×): tau 2.10; a step costs 1.60 plain steps (draft 0.50, verify of
@@ -442,16 +447,21 @@ class Why:
         tokens = _count(self.forward_tokens)
         parts.append(f"verify of {tokens} token{'' if tokens == '1' else 's'} {self.verify:.2f}")
         parts += [f"other {self.other:.2f}"] if self.other >= 0.005 else []
-        predicted = f" (predicted {self.predicted:.2f}×)" if self.predicted else ""
-        text = (f"{self.per_step:.2f}× per step{predicted}: tau {self.tau:.2f}; a step costs {self.cost:.2f} plain "
-                f"steps ({', '.join(parts)}); break-even tau {self.cost:.2f}.")
+        text = (f"{self.per_step:.2f}× per step{self._predicted(self.predicted_per_step)}: tau {self.tau:.2f}; a "
+                f"step costs {self.cost:.2f} plain steps ({', '.join(parts)}); break-even tau {self.cost:.2f}.")
         if self.lost:
             text += f" Lost: {self.lost}."
         if f"{self.overall:.2f}" != f"{self.per_step:.2f}":
-            text += f" Counting the prompt forward: {self.overall:.2f}× overall."
-        if self.predicted and self.priced_by:
+            text += f" Counting the prompt forward: {self.overall:.2f}× overall{self._predicted(self.predicted)}."
+        if (self.predicted or self.predicted_per_step) and self.priced_by:
             text += f" Priced by the cost profile {self.priced_by}."
         return text
+
+    def _predicted(self, figure: float | None) -> str:
+        """' (predicted 1.35×)', with ', uncalibrated' where no measured step had corrected the profile yet."""
+        if not figure:
+            return ""
+        return f" (predicted {figure:.2f}×{', uncalibrated' if self.uncalibrated else ''})"
 
 
 def _count(x: float) -> str:
@@ -479,10 +489,11 @@ def why(method: RunView, baseline: RunView) -> Why | None:
     noise_check = method.method == "baseline"
     lost = _lost(method, draft, verify - 1, other, forward) if tau < cost and not noise_check else None
     predicted = method.summary.predicted_speedup if method.summary else None
+    per_step = method.summary.predicted_per_step if method.summary else None
     curve = method.start.costs if method.start is not None else {}
     priced_by = describe_origin(curve["device"], curve.get("measured_at", 0.0)) if curve.get("device") else ""
     return Why(tau, tau / cost, cost, draft, verify, other, forward, method.tokens_per_s / baseline.tokens_per_s, lost,
-               noise_check, predicted, priced_by)
+               noise_check, predicted, priced_by, per_step, curve.get("uncalibrated") is True)
 
 
 def _lost(method: RunView, draft: float, extra_verify: float, other: float, forward: float) -> str:

@@ -1,0 +1,46 @@
+"""The why line on a fresh app, through gradio_client: the first runs of the pld, selfdraft and fractal presets each
+read a per-step figure beside a per-step prediction and an overall figure beside an overall one (labels, never
+timings: whether a prediction is close is measured, not tested)."""
+
+import re
+
+import pytest
+from gradio_client import Client
+from ui_helpers import served as serve
+
+PRESETS = {"pld": "Answering from retrieved passages: pld copies them",
+           "selfdraft": "Editing existing code: selfdraft reuses its lines",
+           "fractal": "A long step-by-step answer: fractal drafts mid-forward"}
+FIGURE = r"(\d+\.\d\d)×"
+PREDICTED = rf" \(predicted {FIGURE}(, uncalibrated)?\)"
+
+
+@pytest.fixture(scope="module")
+def client(embedded_lm):
+    with serve(embedded_lm) as (_, url):
+        yield Client(url, verbose=False)
+
+
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_a_presets_first_run_compares_like_with_like(client, method):
+    verdict = client.predict(PRESETS[method], api_name="/preset")
+    assert verdict["method"] == method and verdict["summaries"]["method"]["type"] == "summary"
+    text = verdict["why"]
+    per_step = re.match(rf"{FIGURE} per step{PREDICTED}: tau ", text)
+    assert per_step, text
+    assert float(per_step[1]) == pytest.approx(verdict["per_step"], abs=0.006)
+    assert float(per_step[2]) == pytest.approx(verdict["predicted_per_step"], abs=0.006)
+    overall = re.search(rf"Counting the prompt forward: {FIGURE} overall{PREDICTED}\.", text)
+    assert overall, text
+    assert float(overall[1]) == pytest.approx(verdict["overall"], abs=0.006)
+    assert float(overall[2]) == pytest.approx(verdict["predicted"], abs=0.006)
+    assert (per_step[3] is not None) is verdict["uncalibrated"] is (overall[3] is not None)
+    summary = verdict["summaries"]["method"]  # the figures are the summary's, each of its own kind
+    assert verdict["predicted"] == pytest.approx(summary["plain_s"] / summary["predicted_s"])
+    assert verdict["predicted_per_step"] == pytest.approx(
+        (summary["plain_s"] - summary["prompt_s"]) / (summary["predicted_s"] - summary["prompt_s"]))
+
+
+def test_an_unknown_preset_is_one_line(client):
+    with pytest.raises(Exception, match="unknown preset 'nope'"):
+        client.predict("nope", api_name="/preset")
