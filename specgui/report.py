@@ -104,7 +104,7 @@ def _gpucheck(data: dict[str, Any]) -> list[str]:
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "heldout": _heldout, "presets": _presets, "profile": _profile, "suite": _suite, "gpucheck": _gpucheck}
 COMMANDS = {  # what to run where a block has no JSON yet
-    "heldout": "python -m specgui bench --prompts assets/heldout.jsonl --limit 2 --repeats 3 --max-new-tokens 64 "
+    "heldout": "python -m specgui bench --prompts assets/heldout.jsonl --limit 1 --repeats 3 --max-new-tokens 64 "
                "--methods baseline,hf-generate,pld,clasp,admg,selfdraft,fractal,swift,dv,lookahead --save",
     "presets": "python -m specgui presets --save",
     "profile": "python -m specgui profile --refresh --save",
