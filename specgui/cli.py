@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and logs")
     check.add_argument("--quick", action="store_true", help="the short form (CI on a CPU): few tokens, toy shapes")
     check.add_argument("--sections", default=None, help="comma-separated subset (default: all): "
-                       "tests, identity, bf16, bench, shapes, syncs_launches, capture, switch, sdpa")
+                       "tests, identity, bf16, bench, shapes, syncs_launches, capture, switch, sdpa, dispatch")
     check.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
     check.add_argument("--device", default="auto", help="auto, cpu or cuda")
     check.add_argument("--save", action="store_true", help="also write results/<machine>/gpucheck.json")

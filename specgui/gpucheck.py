@@ -454,6 +454,34 @@ def section_syncs_launches(ctx: Context) -> dict[str, Any]:
                   "memcpy/token"], rows, runs=found, note="whole runs, prefill included")
 
 
+def section_dispatch(ctx: Context) -> dict[str, Any]:
+    """Per method on the fast path, greedy: programs per forward pass and host reads per generated token
+    (`specgui.dispatch`), counted on whatever device runs, since they are properties of the path. On a GPU a pass
+    of one program and a step of one read is what makes a verify of several tokens cost about one token."""
+    from specgui import dispatch
+
+    opts = ctx.opts
+    lm = ctx.model(EMBEDDED, "float32") if not opts.quick else ctx.model(opts.bench_model, opts.dtype)
+    prompts = [row.encode(lm.tokenizer) for row in ctx.rows(1 if opts.quick else 2)]
+    tokens = 8 if opts.quick else 48
+    rows, found, targets = [], {}, []
+    for method in opts.methods:
+        decode.run(lm, prompts[0], method, max_new_tokens=8, fast_path="on")  # warm-up: programs made, setup done
+        with dispatch.counting() as counts:
+            for ids in prompts:
+                counts.tokens += len(decode.run(lm, ids, method, max_new_tokens=tokens, fast_path="on").token_ids)
+        found[method] = counts.summary()
+        f = found[method]
+        rows.append([method, f["passes"], f["programs_per_pass_max"], round(f["programs_per_pass_mean"], 2),
+                     round(f["syncs_per_token"], 2), ", ".join(f"{k} {v}" for k, v in sorted(f["reads"].items()))])
+        targets.append(target(f"{method}: one program per pass, at most one host read per token",
+                              f"{f['programs_per_pass_max']} programs per pass at most, "
+                              f"{f['syncs_per_token']:.2f} reads per token",
+                              f["programs_per_pass_max"] <= 1 and f["syncs_per_token"] <= 1.0))
+    return table(["method", "passes", "programs/pass max", "programs/pass mean", "host reads/token", "reads by kind"],
+                 rows, targets, dispatch=found, note=f"{len(prompts)} prompts x {tokens} new tokens, fast path, greedy")
+
+
 # -- 7. capture ----------------------------------------------------------------------------------------------
 
 
@@ -617,7 +645,7 @@ def _attention_forms(lm: LoadedModel, ids: list[int], rows: int, repeats: int = 
 SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "tests": section_tests, "identity": section_identity, "bf16": section_bf16, "bench": section_bench,
     "shapes": section_shapes, "syncs_launches": section_syncs_launches, "capture": section_capture,
-    "switch": section_switch, "sdpa": section_sdpa,
+    "switch": section_switch, "sdpa": section_sdpa, "dispatch": section_dispatch,
 }
 
 
@@ -711,6 +739,10 @@ def run(out: Path, opts: Options, names: list[str] | None = None, command: str =
               "options": {k: str(v) if isinstance(v, torch.device) else v for k, v in dataclasses.asdict(opts).items()},
               "seconds": time.perf_counter() - started, "sections": sections}
     report["targets"] = targets_of(sections)
+    if "dispatch" in sections and sections["dispatch"].get("status") == "ok":
+        report["dispatch"] = {m: {k: f[k] for k in ("programs_per_pass_max", "programs_per_pass_mean",
+                                                     "syncs_per_token")}
+                              for m, f in sections["dispatch"]["dispatch"].items()}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     (out / "report.md").write_text(format_markdown(report), encoding="utf-8")
     return report

@@ -1,0 +1,100 @@
+"""Counting what a decode costs the host on a GPU, on any device: programs per forward pass, host reads per token.
+
+Why: on a GPU a small model's step is bound by launches and round trips, not arithmetic. A pass that runs as one
+CUDA graph replay costs about one replay whatever it skips or records; a pass that replays a program per sub-layer
+costs dozens; and every read of a device value on the host (`item`, `tolist`, a tensor's truth value, indexing by a
+Python list, which uploads it) stalls the host until the device catches up. Both are properties of the code path,
+not of the device, so they are counted here on whatever device runs (CI's CPU included), where a timing could
+only be taken on a GPU.
+
+`Counter` is a context manager: inside it, every `Runner.new_pass` starts a pass, every `fastpath.Program` call is
+charged to the pass begun last, and a torch function mode counts the host reads. A step clock's read counts as one
+synchronisation (on CUDA it waits for the step's last event; on a CPU it waits for nothing, and is counted all the
+same, since the count is of the path). What runs inside a program's function is not counted as a host read: on a
+GPU it is captured, and a read there would fail the capture.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+READS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"})
+
+
+def _by_list(index: Any) -> bool:
+    """Whether a `__getitem__` index holds a Python list (torch uploads it to the tensor's device first)."""
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the torch calls that read a tensor's value on the host, by name."""
+
+    def __init__(self, counts: collections.Counter[str]) -> None:
+        super().__init__()
+        self.counts = counts
+        self.paused = 0  # inside a program's function
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if not self.paused and (name in READS or (name == "__getitem__" and len(args) > 1 and _by_list(args[1]))):
+            self.counts["list index" if name == "__getitem__" else name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class Counts:
+    """What one counted stretch of decoding did: programs per pass, host reads by kind, generated tokens."""
+
+    programs: list[int] = field(default_factory=list)  # per pass, in order
+    reads: collections.Counter[str] = field(default_factory=collections.Counter)
+    tokens: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        passes = len(self.programs)
+        return {"passes": passes, "tokens": self.tokens,
+                "programs_per_pass_max": max(self.programs, default=0),
+                "programs_per_pass_mean": sum(self.programs) / passes if passes else 0.0,
+                "syncs_per_token": sum(self.reads.values()) / self.tokens if self.tokens else 0.0,
+                "reads": dict(self.reads)}
+
+
+@contextmanager
+def counting() -> Iterator[Counts]:
+    """Count passes, programs and host reads of everything run inside (see the module docstring)."""
+    from specgui import decode, fastpath
+    from specgui.runner import Runner
+
+    counts = Counts()
+    mode = _HostReads(counts.reads)
+    new_pass, call, read = Runner.new_pass, fastpath.Program.__call__, decode._Clock.read
+
+    def counted_pass(self: Runner, *args: Any, **kwargs: Any) -> Any:
+        counts.programs.append(0)
+        return new_pass(self, *args, **kwargs)
+
+    def counted_call(self: fastpath.Program) -> torch.Tensor:
+        if counts.programs:
+            counts.programs[-1] += 1
+        mode.paused += 1
+        try:
+            return call(self)
+        finally:
+            mode.paused -= 1
+
+    def counted_read(self: Any) -> list[float]:
+        counts.reads["step clock"] += 1
+        return read(self)
+
+    Runner.new_pass, fastpath.Program.__call__, decode._Clock.read = counted_pass, counted_call, counted_read
+    try:
+        with mode:
+            yield counts
+    finally:
+        Runner.new_pass, fastpath.Program.__call__, decode._Clock.read = new_pass, call, read
