@@ -9,7 +9,6 @@ reported at once.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -41,6 +40,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-batch-matmul", choices=("on", "off"), default="on",
                    help="CPU: compute 1-64 row products in the form measured fastest per shape (torch's, "
                    "transposed, or the skinny kernel; specgui/kernels.py); off: torch's kernel only")
+
+
+def _output_args(p: argparse.ArgumentParser, kind: str, with_json: bool = True) -> None:
+    """Where a measuring command writes its results (with their provenance): `--json` anywhere, `--save` to this
+    machine's `results/<machine>/<kind>.json`, which `python -m specgui report` renders into the docs."""
+    if with_json:
+        p.add_argument("--json", default=None, metavar="OUT.json", help="write the results (with provenance) here")
+    p.add_argument("--save", action="store_true", help=f"also write results/<machine>/{kind}.json (what the docs "
+                   "render)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -76,17 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
     bench.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
     bench.add_argument("--repeats", type=int, default=1)
-    bench.add_argument("--json", default=None, metavar="OUT.json")
     bench.add_argument("--profile", action="store_true", help="print time per phase and method figures")
-    bench.add_argument("--save", action="store_true", help="also write results/<machine>/heldout.json (what the "
-                       "docs' held-out table renders; run it on assets/heldout.jsonl)")
+    _output_args(bench, "heldout")  # run it on assets/heldout.jsonl
     add_model_args(bench)
     _sampling_args(bench)
 
     demos = sub.add_parser("presets", help="measure every demo preset (configs/demos.yaml) against plain decoding")
     demos.add_argument("--repeats", type=int, default=3)
-    demos.add_argument("--json", default=None, metavar="OUT.json")
-    demos.add_argument("--save", action="store_true", help="also write results/<machine>/presets.json")
+    _output_args(demos, "presets")
     demos.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
     add_model_args(demos)
 
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="the cost model's measured profile of a model on this device")
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the saved profile")
     prof.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
-    prof.add_argument("--save", action="store_true", help="also write results/<machine>/profile.json")
+    _output_args(prof, "profile")
     add_model_args(prof)
 
     search = sub.add_parser("dv-search", help="search (or show the cached) Draft & Verify skip set for a model")
@@ -110,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "tests, identity, bf16, bench, shapes, syncs_launches, capture, switch, sdpa, dispatch")
     check.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
     check.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    check.add_argument("--save", action="store_true", help="also write results/<machine>/gpucheck.json")
+    _output_args(check, "gpucheck", with_json=False)  # --out holds its report.json
 
     suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
-    suite.add_argument("--save", action="store_true", help="also write results/<machine>/suite.json")
+    _output_args(suite, "suite")
 
     shot = sub.add_parser("stage-picture", help="take README's picture again: a finished race in the stage view")
     shot.add_argument("--out", default="assets/stage-race.png", metavar="FILE.png")
@@ -196,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specgui import bench, papers
+    from specgui import bench, papers, results
     from specgui.prompts import PromptRow, load_prompts, select
 
     sampling = _sampling(args)
@@ -207,22 +212,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
     categories = args.categories.split(",") if args.categories else (preset.categories if preset else None)
     rows = select(load_prompts(args.prompts), categories, args.limit)
-    if args.json:
-        parent = Path(args.json).resolve().parent
-        if not parent.is_dir():
-            raise SpecGUIError(f"cannot write results: folder {str(parent)!r} does not exist")
+    results.writable(args.json)
     lm = load_model(args)
     settings = bench.Settings(max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=sampling,
                               fast_path=args.fast_path)
+    device = str(lm.runner.device)
+    origin = results.provenance(device, args.argv)
 
-    from specgui import results
-
-    origin = results.provenance(str(lm.runner.device), args.argv)
-
-    def save(report: dict) -> None:  # after every prompt, so that a stopped bench keeps its rows
+    def save(report: dict, standard: bool = False) -> None:  # after every prompt: a stopped bench keeps its rows
         report["provenance"] = origin
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
+        results.write("heldout", report, device, args.json, standard)
 
     with tqdm(total=len(rows) * len(entries) * args.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
 
@@ -231,16 +230,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
             bar.update()
 
         report = bench.bench(lm, rows, entries, settings, progress=progress, partial=save)
-    save(report)
     print(bench.format_report(report, profile=args.profile))
     if preset:
         headers, table = papers.table(report, preset)
         report["paper"] = {"preset": preset.name, "caption": papers.caption(report, preset), "headers": headers,
                            "rows": table}
         print("\n" + papers.format_table(report, preset))
-        save(report)
-    if args.save:
-        print(f"saved {results.save('heldout', report, str(lm.runner.device))}")
+    save(report, args.save)
 
 
 def cmd_presets(args: argparse.Namespace) -> None:
@@ -252,10 +248,10 @@ def cmd_presets(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise SpecGUIError(f"--repeats must be >= 1, got {args.repeats}")
     chosen = presets(examples())  # checked before the model loads
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise SpecGUIError(f"cannot write results: folder {str(Path(args.json).resolve().parent)!r} does not exist")
+    results.writable(args.json)
     lm = load_model(args)
-    out: dict[str, Any] = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
+    device = str(lm.runner.device)
+    out: dict[str, Any] = {"provenance": results.provenance(device, args.argv), "model": lm.name,
                            "repeats": args.repeats, "presets": []}
     for preset in chosen:
         settings = bench.Settings(max_new_tokens=preset.max_new_tokens, repeats=args.repeats, fast_path=args.fast_path)
@@ -269,10 +265,8 @@ def cmd_presets(args: argparse.Namespace) -> None:
         out["presets"].append(row)
         print(f"{preset.method:<10} {preset.example.row.id:<16} {row['speedup']:.2f}x  tau "
               f"{row['mean_accepted'] or 1.0:.2f}  {preset.name}", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
-    if args.save:
-        print(f"saved {results.save('presets', out, str(lm.runner.device))}")
+        results.write("presets", out, device, args.json, standard=False)  # a stopped run keeps its rows
+    results.write("presets", out, device, args.json, args.save)
 
 
 def cmd_methods(args: argparse.Namespace) -> None:
@@ -287,9 +281,10 @@ def cmd_methods(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """Measure (or read) the profile, let every method measure its mechanism on a short run, print it all."""
-    from specgui import costs, decode, fastpath
+    from specgui import costs, decode, fastpath, results
     from specgui.text import encode_prompt
 
+    results.writable(args.json)
     lm = load_model(args)
     fast = fastpath.resolve(args.fast_path, lm.runner)
     profile = costs.profile_for(lm, fast, refresh=args.refresh)
@@ -297,12 +292,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     for name in methods.names():
         decode.run(lm, ids, name, max_new_tokens=8, fast_path=args.fast_path, profile=profile)
     print(profile.summary())
-    if args.save:
-        from specgui import results
-
-        data = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
-                **profile.curve(), "head": profile.head, "key": profile.key}
-        print(f"saved {results.save('profile', data, str(lm.runner.device))}")
+    data = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
+            **profile.curve(), "head": profile.head, "key": profile.key}
+    results.write("profile", data, str(lm.runner.device), args.json, args.save)
 
 
 def cmd_dv_search(args: argparse.Namespace) -> None:
@@ -324,7 +316,7 @@ def cmd_dv_search(args: argparse.Namespace) -> None:
 
 def cmd_gpucheck(args: argparse.Namespace) -> int:
     """Run the checks; exit 1 when a target fails or a section errs (the report says which)."""
-    from specgui import gpucheck
+    from specgui import gpucheck, results
 
     names = [n.strip() for n in args.sections.split(",") if n.strip()] if args.sections else None
     unknown = [n for n in names or [] if n not in gpucheck.SECTIONS]
@@ -339,40 +331,33 @@ def cmd_gpucheck(args: argparse.Namespace) -> int:
     flags = [("--quick", args.quick), (f"--sections {args.sections}", args.sections),
              (f"--methods {args.methods}", args.methods), (f"--device {args.device}", args.device != "auto")]
     command = " ".join(["python -m specgui gpucheck --out", args.out] + [flag for flag, given in flags if given])
-    report = gpucheck.run(out, opts, names, command=command,
+    device = "cuda" if opts.cuda else "cpu"
+    report = gpucheck.run(out, opts, names, command=command, provenance=results.provenance(device, args.argv),
                           progress=lambda name: print(f"gpucheck: {name} ...", file=sys.stderr, flush=True))
     print(gpucheck.summary_table(report))
     print(f"\n{report['seconds']:.0f} s; report in {out / 'report.md'} and {out / 'report.json'}")
-    if args.save:
-        from specgui import results
-
-        device = "cuda" if opts.cuda else "cpu"
-        data = {"provenance": results.provenance(device, args.argv), **report}
-        print(f"saved {results.save('gpucheck', data, device)}")
+    results.write("gpucheck", report, device, None, args.save)
     return 1 if any(t["pass"] is False for t in report["targets"]) else 0
 
 
 def cmd_suite_time(args: argparse.Namespace) -> int:
-    """Run the suite as README's test command runs it (two workers, one per core), time it, count the outcomes."""
-    import re
+    """Run the pytest part of README's test command, time it, count the outcomes; exit as the suite did."""
     import subprocess
     import time
 
     from specgui import REPO_DIR, results
 
-    command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
+    command = results.suite_command()
+    results.writable(args.json)
     started = time.perf_counter()
     done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     print(done.stdout[-3000:], done.stderr[-2000:], sep="\n")
-    closing = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", closing)}
-    data = {"provenance": results.provenance("cpu", args.argv), "seconds": seconds, "exit_code": done.returncode,
-            "passed": counts.get("passed", 0), "failed": counts.get("failed", 0), "skipped": counts.get("skipped", 0),
-            "errors": counts.get("error", 0) + counts.get("errors", 0), "workers": 2}
+    workers = int(command[command.index("-n") + 1]) if "-n" in command else 1
+    data = {"provenance": results.provenance("cpu", args.argv), "command": " ".join(command[1:]), "seconds": seconds,
+            "exit_code": done.returncode, **results.suite_counts(done.stdout), "workers": workers}
     print(f"suite: {seconds:.0f} s, {data['passed']} passed, {data['failed']} failed, {data['skipped']} skipped")
-    if args.save:
-        print(f"saved {results.save('suite', data, 'cpu')}")
+    results.write("suite", data, "cpu", args.json, args.save)
     return done.returncode
 
 

@@ -724,8 +724,9 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def run(out: Path, opts: Options, names: list[str] | None = None, command: str = "",
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the chosen sections (all by default) and write `out/report.json` and `out/report.md`."""
+        progress: Callable[[str], None] | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the chosen sections (all by default) and write `out/report.json` and `out/report.md`; `provenance`
+    (`specgui.results.provenance`) leads report.json, as in every measured result."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = Context(opts, out)
     started = time.perf_counter()
@@ -735,7 +736,8 @@ def run(out: Path, opts: Options, names: list[str] | None = None, command: str =
             progress(name)
         sections[name] = run_section(name, ctx)
     ctx.held.clear()
-    report = {"quick": opts.quick, "command": command, "environment": environment(opts.device),
+    report = {"provenance": provenance, "quick": opts.quick, "command": command,
+              "environment": environment(opts.device),
               "options": {k: str(v) if isinstance(v, torch.device) else v for k, v in dataclasses.asdict(opts).items()},
               "seconds": time.perf_counter() - started, "sections": sections}
     report["targets"] = targets_of(sections)

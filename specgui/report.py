@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specgui import REPO_DIR
-from specgui.results import KINDS, RESULTS_DIR
+from specgui.results import KINDS, RESULTS_DIR, measured_at
 
 BLOCK = re.compile(r"(<!-- report:(?P<name>[\w.:-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
 
@@ -41,7 +41,7 @@ def find_result(name: str, results_dir: Path = RESULTS_DIR) -> tuple[dict[str, A
     found = [json.loads(p.read_text(encoding="utf-8")) for p in paths if p.is_file()]
     if not found:
         return None, kind
-    return max(found, key=lambda d: d.get("provenance", {}).get("date", "")), kind
+    return max(found, key=measured_at), kind
 
 
 def _x(value: float | None) -> str:
@@ -114,9 +114,12 @@ COMMANDS = {  # what to run where a block has no JSON yet
 
 
 def provenance_line(data: dict[str, Any]) -> str:
+    """The italic line under a table: the command, device, date (to the minute), commit and versions."""
     p = data.get("provenance", {})
-    commit = (p.get("commit") or "no commit")[:12]
-    return (f"*Measured by `{p.get('command', '?')}` on {p.get('device', '?')}, {p.get('date', '?')}, commit "
+    head, dirty, _ = (p.get("commit") or "no commit").partition("-dirty")
+    commit = head[:12] + dirty  # a dirty tree's figures belong to no commit exactly: say so
+    date = measured_at(data).strftime("%Y-%m-%d %H:%M UTC") if p.get("date") else "?"
+    return (f"*Measured by `{p.get('command', '?')}` on {p.get('device', '?')}, {date}, commit "
             f"{commit}, torch {p.get('torch', '?')}, transformers {p.get('transformers', '?')}.*")
 
 

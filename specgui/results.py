@@ -15,15 +15,18 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from specgui import REPO_DIR
+from specgui.errors import SpecGUIError
 
 RESULTS_DIR = REPO_DIR / "results"
 KINDS = ("heldout", "presets", "profile", "gpucheck", "suite")
+TEST_COMMAND = re.compile(r"<!-- test-command -->\s*```[^\n]*\n(?P<command>.*?)\n```", re.S)
 
 
 def _git(*args: str) -> str | None:
@@ -74,12 +77,37 @@ def provenance(device: str = "cpu", argv: list[str] | None = None) -> dict[str, 
     return {
         "command": "python -m specgui " + " ".join(args),
         "commit": commit(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device_name(device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+
+
+def measured_at(data: dict[str, Any]) -> datetime.datetime:
+    """When a result was measured, from its provenance: an ISO date (older files wrote '2026-11-26 19:27 UTC');
+    the earliest date possible where none is given, so that any dated result is newer."""
+    text = data.get("provenance", {}).get("date") or ""
+    try:
+        return datetime.datetime.fromisoformat(text.replace(" UTC", "+00:00"))
+    except ValueError:
+        return datetime.datetime.min.replace(tzinfo=datetime.UTC)
+
+
+def writable(json_path: str | None) -> None:
+    """Refuse a `--json` path whose folder is missing before anything is measured (not after an hour's bench)."""
+    if json_path and not Path(json_path).resolve().parent.is_dir():
+        raise SpecGUIError(f"cannot write results: folder {str(Path(json_path).resolve().parent)!r} does not exist")
+
+
+def write(kind: str, data: dict[str, Any], device: str, json_path: str | None, standard: bool) -> None:
+    """A measuring command's output: `data` to `json_path` (its `--json`) and, with `standard` (its `--save`), to
+    this machine's `results/<machine>/<kind>.json`, where `python -m specgui report` finds it."""
+    if json_path:
+        _dump(Path(json_path), data)
+    if standard:
+        print(f"saved {save(kind, data, device)}")
 
 
 def path_for(kind: str, device: str = "cpu") -> Path:
@@ -95,5 +123,28 @@ def save(kind: str, data: dict[str, Any], device: str = "cpu") -> Path:
         raise ValueError("a result needs its provenance")
     path = path_for(kind, device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    _dump(path, data)
     return path
+
+
+def _dump(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def suite_command(readme: Path = REPO_DIR / "README.md") -> list[str]:
+    """The pytest part of README's test command (the block after `<!-- test-command -->` that `.ci/run` runs), with
+    this interpreter: the suite time recorded is that of the command CI runs, not of a variant of it."""
+    found = TEST_COMMAND.search(readme.read_text(encoding="utf-8")) if readme.is_file() else None
+    steps = found["command"].replace("\\\n", " ").split("&&") if found else []
+    pytest = next((shlex.split(step) for step in steps if "-m pytest" in step), None)
+    if pytest is None:
+        raise SpecGUIError(f"{readme} has no pytest command in the block after <!-- test-command -->")
+    return [sys.executable, *pytest[1:]]
+
+
+def suite_counts(output: str) -> dict[str, int]:
+    """passed/failed/skipped/errors from pytest's closing line (e.g. '650 passed, 19 skipped in 402.57s')."""
+    closing = output.strip().splitlines()[-1] if output.strip() else ""
+    found = {word.rstrip("s"): int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", closing)}
+    return {"passed": found.get("passed", 0), "failed": found.get("failed", 0), "skipped": found.get("skipped", 0),
+            "errors": found.get("error", 0)}

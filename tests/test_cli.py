@@ -60,6 +60,9 @@ def test_bench_writes_json(tmp_path, in_process):
     for figures in data["methods"].values():
         assert {"tokens_per_s", "speedup", "mean_accepted", "identical", "total"} <= set(figures)
     assert data["per_prompt"] and "category qa" in out
+    assert data["provenance"]["command"] == f"python -m specgui bench --methods hf-generate,pld --categories qa " \
+                                            f"--limit 1 --max-new-tokens 8 --json {report}"
+    assert {"commit", "date", "device", "torch", "transformers", "python"} <= set(data["provenance"])
 
 
 @pytest.mark.parametrize("preset", ["clasp-paper", "selfdraft-paper", "asd-paper"])

@@ -2,11 +2,13 @@
 check that fails when a rendered table no longer matches its JSON (the repository's own docs included)."""
 
 import json
+import sys
 
 import pytest
 
 from specgui import REPO_DIR, report, results
 from specgui.cli import main
+from specgui.errors import SpecGUIError
 
 PROVENANCE = {"command": "python -m specgui bench --save", "commit": "0123456789abcdef", "date": "2026-11-26 19:00 UTC",
               "device": "Test CPU, 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "python": "3.11.7"}
@@ -79,10 +81,49 @@ def test_provenance_names_the_command_commit_device_and_versions():
     p = results.provenance("cpu", ["bench", "--save"])
     assert p["command"] == "python -m specgui bench --save"
     assert p["commit"] is None or len(p["commit"].removesuffix("-dirty")) == 40
-    assert "cores" in p["device"] and p["torch"] and p["transformers"] and p["date"].endswith("UTC")
+    assert "cores" in p["device"] and p["torch"] and p["transformers"] and p["python"]
+    assert results.measured_at({"provenance": p}).utcoffset().total_seconds() == 0  # an ISO date, in UTC
     assert results.machine_slug("cpu").startswith("cpu-") and results.machine_slug("cpu").endswith("c")
     with pytest.raises(ValueError, match="provenance"):
         results.save("suite", {"seconds": 1})
+
+
+def test_the_newest_result_wins_whatever_its_date_format_and_a_dirty_commit_says_so(tmp_path):
+    """Files written before provenance dates were ISO ('2026-11-26 19:27 UTC') still sort and render."""
+    suite = {"seconds": 60, "passed": 1, "failed": 0, "skipped": 0, "errors": 0, "exit_code": 0, "workers": 2}
+    write(tmp_path / "old", "suite", {**suite, "passed": 5})
+    newer = {**PROVENANCE, "date": "2026-11-26T19:05:09+00:00", "commit": "0123456789abcdef-dirty"}
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "suite.json").write_text(json.dumps({"provenance": newer, **suite}), encoding="utf-8")
+    text = report.render("suite", tmp_path)
+    assert "1 passed" in text and ", 2026-11-26 19:05 UTC, commit 0123456789ab-dirty, torch" in text
+
+
+def test_suite_time_runs_the_pytest_part_of_readmes_test_command(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("## Development\n<!-- test-command -->\n```\npython3 -m venv .venv && .venv/bin/ruff check . && "
+                      ".venv/bin/python -m pytest -q -n 2 --dist loadfile && .venv/bin/python -m specgui report "
+                      "--check\n```\n", encoding="utf-8")
+    assert results.suite_command(readme) == [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
+    assert results.suite_counts("...\n1 failed, 650 passed, 19 skipped, 2 errors in 402.57s (0:06:42)\n") == {
+        "passed": 650, "failed": 1, "skipped": 19, "errors": 2}
+    readme.write_text("no command here\n", encoding="utf-8")
+    with pytest.raises(SpecGUIError, match="no pytest command"):
+        results.suite_command(readme)
+
+
+def test_gpucheck_puts_provenance_in_its_report_and_save_writes_the_standard_file(tmp_path, monkeypatch):
+    """The bf16 section is skipped on a CPU: the cheapest run of the real command."""
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "results")
+    out = tmp_path / "check"
+    assert main(["gpucheck", "--out", str(out), "--sections", "bf16", "--device", "cpu", "--save"]) == 0
+    written = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert written["provenance"]["command"] == f"python -m specgui gpucheck --out {out} --sections bf16 --device " \
+                                               "cpu --save"
+    saved = tmp_path / "results" / results.machine_slug("cpu") / "gpucheck.json"
+    assert json.loads(saved.read_text(encoding="utf-8"))["provenance"] == written["provenance"]
+    text = report.render("gpucheck", tmp_path / "results")
+    assert "| bf16 |" in text and text.rstrip().endswith(".*") and "*Measured by `python -m specgui gpucheck" in text
 
 
 def test_the_repositorys_rendered_blocks_match_their_results(capsys):
