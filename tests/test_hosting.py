@@ -14,6 +14,8 @@ from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
 from specgui.runner import Runner
 
+POLICY = ("SPACE_ID", "GRADIO_SERVER_NAME", "SPECGUI_PUBLIC", "SPECGUI_ALLOWED_MODELS")  # who counts as a stranger
+
 
 def test_default_model_follows_the_environment(monkeypatch):
     monkeypatch.delenv("SPECGUI_DEFAULT_MODEL", raising=False)
@@ -25,9 +27,8 @@ def test_default_model_follows_the_environment(monkeypatch):
 
 
 def test_public_deployments_only_load_allowed_models(monkeypatch):
-    monkeypatch.delenv("SPECGUI_DEFAULT_MODEL", raising=False)
-    monkeypatch.delenv("SPECGUI_ALLOWED_MODELS", raising=False)
-    monkeypatch.delenv("SPECGUI_PUBLIC", raising=False)
+    for name in (*POLICY, "SPECGUI_DEFAULT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
     hosting.check_model_request("/etc", trust_remote_code=True)  # a private deployment trusts its operator
     monkeypatch.setenv("SPECGUI_ALLOWED_MODELS", "Qwen/Qwen2.5-0.5B-Instruct")
     assert hosting.allowed_models() == ["embedded", "Qwen/Qwen2.5-0.5B-Instruct"]
@@ -40,6 +41,43 @@ def test_public_deployments_only_load_allowed_models(monkeypatch):
     monkeypatch.delenv("SPECGUI_ALLOWED_MODELS")
     monkeypatch.setenv("SPECGUI_PUBLIC", "1")
     assert hosting.allowed_models() == ["embedded"]
+
+
+@pytest.mark.parametrize("env,public", [
+    ({}, False),  # a server on loopback, the default: its user's own machine
+    ({"GRADIO_SERVER_NAME": "127.0.0.1"}, False),
+    ({"GRADIO_SERVER_NAME": "localhost"}, False),
+    ({"GRADIO_SERVER_NAME": "::1"}, False),
+    ({"SPACE_ID": "someone/specgui"}, True),  # a Space pushed with no variables set
+    ({"GRADIO_SERVER_NAME": "0.0.0.0"}, True),
+    ({"GRADIO_SERVER_NAME": "192.168.1.20"}, True),
+    ({"SPECGUI_ALLOWED_MODELS": ""}, True),
+    ({"SPECGUI_ALLOWED_MODELS": "org/model"}, True),
+    ({"SPACE_ID": "someone/specgui", "SPECGUI_PUBLIC": "0"}, False),  # the owner said so, explicitly
+    ({"GRADIO_SERVER_NAME": "0.0.0.0", "SPECGUI_PUBLIC": "0"}, False),
+    ({"SPECGUI_ALLOWED_MODELS": "org/model", "SPECGUI_PUBLIC": "0"}, False),
+    ({"SPECGUI_PUBLIC": "1"}, True),
+    ({"SPACE_ID": "someone/specgui", "SPECGUI_PUBLIC": "1"}, True),
+    ({"SPACE_ID": "someone/specgui", "SPECGUI_PUBLIC": "false"}, True),  # only "0" opens a Space to everything
+    ({"SPECGUI_PUBLIC": "yes"}, True),  # a value that is not "0" errs on the safe side
+    ({"SPACE_ID": "someone/specgui", "SPECGUI_PUBLIC": " "}, True),  # blank is unset
+])
+def test_who_counts_as_a_stranger(monkeypatch, env, public):
+    for name in POLICY:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hosting.is_public() is public
+
+
+def test_a_space_with_no_variables_serves_the_default_model_only(monkeypatch):
+    for name in (*POLICY, "SPECGUI_DEFAULT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPACE_ID", "someone/specgui")
+    hosting.check_model_request("embedded")
+    for name in ("/tmp", "./models", "org/model"):
+        with pytest.raises(SpecGUIError, match="only serves embedded"):
+            hosting.check_model_request(name)
 
 
 def test_gpu_decorator_is_a_no_op_without_spaces(monkeypatch):

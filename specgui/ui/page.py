@@ -40,7 +40,7 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import ASSETS_DIR, fastpath, hosting, methods, papers
+from specgui import ASSETS_DIR, fastpath, hosting, kernels, methods, papers
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.events import MAX_TRACE_BYTES, Event, load_trace, loads_trace, save_trace, to_json
@@ -145,6 +145,9 @@ class App:
         self.examples = {e.label: e for e in examples}
         self.presets = {p.name: p for p in controls.presets(examples)}
         self.device = resolve_device("auto").type
+        self.kernel_note = _kernel_note(self.device)
+        if self.kernel_note:
+            LOG.warning(self.kernel_note)
         self.defaults = decoding_defaults()
         self.trace_root = Path(tempfile.mkdtemp(prefix="specgui-traces-"))
         # removed with the app, or when the process exits (a test session built ~30 apps and left their folders)
@@ -195,7 +198,7 @@ class App:
             with gr.Column(scale=1, min_width=320, elem_id="sg-settings"):
                 self._settings(first)
             with gr.Column(scale=3, elem_id="sg-main"):
-                self.status = gr.HTML(render.status("Ready."), elem_id="sg-status")
+                self.status = gr.HTML(render.status(f"Ready. {self.kernel_note}".strip()), elem_id="sg-status")
                 with gr.Row(elem_id="sg-legend-row"):
                     self.legend = gr.HTML(render.legend(), elem_id="sg-legend")
                     self.show_rejected = gr.Checkbox(True, label="show rejected drafts inline", scale=0,
@@ -683,6 +686,16 @@ class App:
             raise gr.Error(_failure(exc)) from None
         for tick in runs.replay({METHOD: events}, threading.Event(), speed, frame=API_FRAME_S):
             yield from (to_json(event) for event in tick.events)
+
+
+def _kernel_note(device: str) -> str:
+    """Why decoding is slower than it could be here, said once on the server's log and in the first status line: on
+    a CPU without the compiled C kernel (a Space without packages.txt has no C compiler) the app still runs, through
+    torch's kernels. Empty where the kernel is built, or on a GPU, which never uses it."""
+    if device != "cpu" or kernels.skinny_library() is not None:
+        return ""
+    return ("The C kernel is not built here (no C compiler, or a CPU without AVX2): "
+            "decoding runs through torch's kernels, slower.")
 
 
 def _model_help() -> str:
