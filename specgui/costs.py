@@ -199,6 +199,21 @@ class CostProfile:
         return {**{k: v for k, v in asdict(self).items() if k != "calibration"},
                 "calibration": self.calibration.to_dict()}
 
+    def keep_learnt(self) -> None:
+        """Save what the calibration has learnt with the profile it corrects (the decode loop does after each run,
+        outside its timed phases), so that the next process's first run starts from it rather than from the raw
+        profile. Under the file's lock, and only while the file still holds this measurement: another process may
+        have measured the profile again meanwhile (prices this calibration does not correct: the new file stays), or
+        measured a mechanism (taken into this copy, not overwritten). A read-only cache keeps nothing."""
+        if not (self.path and self.calibrated and self.calibration.learnt):
+            return
+        with contextlib.suppress(OSError), exclusive(Path(self.path)):
+            saved = _read(Path(self.path), self.key)
+            if saved is not None and saved.measured_at != self.measured_at:
+                return
+            self.mechanisms = {**(saved.mechanisms if saved else {}), **self.mechanisms}
+            self.save()
+
     def save(self) -> None:
         if not self.path:
             return
@@ -236,7 +251,8 @@ class CostProfile:
 
 
 class Calibration:
-    """Measured against priced, learnt from every step a process decodes with one profile: a ratio per verify of
+    """Measured against priced, learnt from every step decoded with one profile (in this process, and in earlier ones:
+    it is saved with the profile, `CostProfile.keep_learnt`, and read back with it): a ratio per verify of
     `rows` tokens (the forward and the loop, shared by every method: it is the machine's) and one per method for the
     method's own drafting work (draft forwards, compressed passes, searches). Each is a decayed mean of log ratios
     (`CALIBRATION_DECAY` per observation: about the last ten), each observation clipped to `CALIBRATION_CLIP`

@@ -194,7 +194,7 @@ def generate(
         generated = tuple(state.tokens[state.prompt_len :])
         text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)
         summary = summarize(steps, prefill, wall_s=clock.total, stop=stop, token_ids=generated, text=text)
-        profile.save()  # with what this run's steps taught the calibration, for the next process's first run
+        profile.keep_learnt()  # what this run's steps taught the calibration, for the next process's first run
         yield summary
 
 

@@ -289,3 +289,19 @@ def test_what_calibration_learnt_is_saved_with_its_profile_and_read_back(cache_d
     assert not fresh.calibration.learnt and fresh.curve()["uncalibrated"] is True
     hand_made = dataclasses.replace(profile, measured_at=0.0, path="")
     assert hand_made.curve()["uncalibrated"] is False  # a price list taken as given is not corrected at all
+
+
+def test_what_a_run_learnt_never_overwrites_a_profile_measured_again_meanwhile(cache_dir):
+    """A run keeps what it learnt in its profile's file with the mechanisms another holder measured meanwhile; once
+    another process has measured the profile again, the new file stays (the old calibration corrects other prices)."""
+    lm = tiny_model(seed=4)
+    mine = costs.profile_for(lm, fast_path=False)
+    costs._read(Path(mine.path), mine.key).mechanism("x.theirs", lambda: 2.0)  # another process's copy
+    decode.run(lm, list(range(3, 20)), "baseline", max_new_tokens=6, profile=mine)
+    saved = json.loads(Path(mine.path).read_text())
+    assert saved["mechanisms"] == {"x.theirs": 2.0} and saved["calibration"] == mine.calibration.to_dict()
+    theirs = costs.remeasure(tiny_model(seed=9), fast_path=False)
+    decode.run(lm, list(range(3, 20)), "baseline", max_new_tokens=6, profile=mine)
+    saved = json.loads(Path(mine.path).read_text())
+    assert saved["measured_at"] == theirs.measured_at != mine.measured_at
+    assert not costs.Calibration.from_dict(saved["calibration"]).learnt

@@ -1,12 +1,17 @@
 """The why line on a fresh app, through gradio_client: the first runs of the pld, selfdraft and fractal presets each
 read a per-step figure beside a per-step prediction and an overall figure beside an overall one (labels, never
-timings: whether a prediction is close is measured, not tested)."""
+timings: whether a prediction is close is measured, not tested); and the app's calibration at start, which prices
+those first runs as a bench's warm-up would."""
 
 import re
 
 import pytest
 from gradio_client import Client
 from ui_helpers import served as serve
+
+from helpers import tiny_model
+from specgui import costs, fastpath
+from specgui.ui import runs
 
 PRESETS = {"pld": "Answering from retrieved passages: pld copies them",
            "selfdraft": "Editing existing code: selfdraft reuses its lines",
@@ -44,3 +49,13 @@ def test_a_presets_first_run_compares_like_with_like(client, method):
 def test_an_unknown_preset_is_one_line(client):
     with pytest.raises(Exception, match="unknown preset 'nope'"):
         client.predict("nope", api_name="/preset")
+
+
+def test_the_app_calibrates_at_start_only_a_profile_that_has_learnt_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
+    lm = tiny_model(seed=4)
+    ids = list(range(3, 20))
+    assert runs.calibrate(lm, [(ids, "pld", {})], tokens=4) == 2  # plain decoding and the preset's method
+    profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner))
+    assert profile.calibration.learnt and profile.curve()["uncalibrated"] is False
+    assert runs.calibrate(lm, [(ids, "pld", {})], tokens=4) == 0  # learnt (and saved): a later start skips it
