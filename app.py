@@ -19,7 +19,7 @@ def main() -> None:
     app = App()
     try:
         lm = app.store.get(app.default_model)
-        # the demo presets' first runs priced as well as a bench's: calibrated by measured steps, saved once
+        # the demo presets' first runs priced as well as a bench's: a warm-up of each, as a bench's (`runs.calibrate`)
         runs.calibrate(lm, [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in app.presets.values()])
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
         print(f"warning: {exc}")

@@ -614,4 +614,5 @@ def _read(path: Path, key: dict[str, Any]) -> CostProfile | None:
     except (OSError, ValueError, TypeError, AttributeError):
         return None
     profile.calibration = Calibration.from_dict(learnt if isinstance(learnt, dict) else {})
+    profile.path = str(path)  # where it was read, not where it was saved: a cache folder copied or moved keeps its own
     return profile if profile.key == key else None

@@ -305,3 +305,12 @@ def test_what_a_run_learnt_never_overwrites_a_profile_measured_again_meanwhile(c
     saved = json.loads(Path(mine.path).read_text())
     assert saved["measured_at"] == theirs.measured_at != mine.measured_at
     assert not costs.Calibration.from_dict(saved["calibration"]).learnt
+
+
+def test_a_profile_read_from_a_copied_cache_folder_saves_there(cache_dir):
+    """Its file is where it was read, not the path saved in it: a copy's runs never write into the original."""
+    profile = costs.profile_for(tiny_model(seed=4), fast_path=False)
+    copied = cache_dir.parent / "copy" / Path(profile.path).name
+    copied.parent.mkdir()
+    copied.write_text(Path(profile.path).read_text())
+    assert costs._read(copied, profile.key).path == str(copied)

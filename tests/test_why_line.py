@@ -4,13 +4,15 @@ timings: whether a prediction is close is measured, not tested); and the app's c
 those first runs as a bench's warm-up would."""
 
 import re
+import threading
+from pathlib import Path
 
 import pytest
 from gradio_client import Client
 from ui_helpers import served as serve
 
 from helpers import tiny_model
-from specgui import costs, fastpath
+from specgui import costs, decode, fastpath
 from specgui.ui import runs
 
 PRESETS = {"pld": "Answering from retrieved passages: pld copies them",
@@ -51,11 +53,20 @@ def test_an_unknown_preset_is_one_line(client):
         client.predict("nope", api_name="/preset")
 
 
-def test_the_app_calibrates_at_start_only_a_profile_that_has_learnt_nothing(tmp_path, monkeypatch):
+def test_the_app_calibrates_at_start_on_the_device_thread(tmp_path, monkeypatch):
+    """A warm-up of plain decoding and of each preset's method, on the thread every run decodes on, that the
+    first run's prices are corrected by (and that a later process starts from)."""
     monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
     lm = tiny_model(seed=4)
-    ids = list(range(3, 20))
-    assert runs.calibrate(lm, [(ids, "pld", {})], tokens=4) == 2  # plain decoding and the preset's method
+    threads, real = [], decode.run
+
+    def run(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "run", run)
+    assert runs.calibrate(lm, [(list(range(3, 20)), "pld", {})], tokens=4) == 2  # plain decoding and pld
+    assert threads and all(name.startswith("specgui-device") for name in threads)
     profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner))
     assert profile.calibration.learnt and profile.curve()["uncalibrated"] is False
-    assert runs.calibrate(lm, [(ids, "pld", {})], tokens=4) == 0  # learnt (and saved): a later start skips it
+    assert costs._read(Path(profile.path), profile.key).calibration.verify == profile.calibration.verify
