@@ -252,8 +252,9 @@ def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]]
     both must be of one moment of the machine and of the thread that decodes. So on `DEVICE` (see the module
     docstring): a warm-up on the main thread, skipped where the saved profile had learnt, left pld's first run 31%
     under its measured speedup (its 6-row verifies then took 40 ms instead of 28, priced against plain steps timed
-    on the other thread); decoded on `DEVICE` every start, the first run was priced within 3% of its steps' times.
-    It takes 14 s for the nine demo presets on a loaded 2-core Xeon. Returns how many runs it decoded."""
+    on the other thread); decoded on `DEVICE` every start, the pld, selfdraft and fractal presets' first runs in two
+    fresh processes were predicted within 3% of their measured speedups, overall and per step (2-core Xeon, shared).
+    It takes 14 s there for the nine demo presets. Returns how many runs it decoded."""
     return _on_device(_calibrate, lm, runs, tokens)
 
 
