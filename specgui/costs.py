@@ -30,8 +30,8 @@ Predictions: a step that drafts with extra work `extra_ms` and verifies `rows` t
 off when tau / (its cost / `step`) > 1, i.e. when tau exceeds the break-even tau (its cost / `step`).
 
 What the steps then measure corrects those prices (`Calibration`, one per profile, saved with it after every run,
-so that a fresh process, the app's first run included, starts from what earlier runs on this profile learnt, and
-a profile measured again starts afresh): a profile is a
+so that a fresh process starts from what earlier runs on this profile learnt, and a profile measured again starts
+afresh; the app warms it up to the moment before its first run, `specgui.ui.runs.calibrate`): a profile is a
 few seconds of one moment, and on a shared CPU the moment moves (one-row forwards of 15.9 and 26.1 ms minutes
 apart, AMD EPYC) and moves the shape of the curve with it (in a fast moment the extra rows' arithmetic shows, in a
 slow one the weights' traffic hides it): the profile of 09:24 UTC priced an 8-row verify 1.09x a plain step where
@@ -182,7 +182,8 @@ class CostProfile:
         return self.mechanisms[name]
 
     def curve(self) -> dict[str, Any]:
-        """The forward curve and the plain step, for events: what the app draws, even in a replay."""
+        """The forward curve and the plain step, for events: what the app draws, even in a replay; and whether no
+        measured step had corrected these prices yet (`uncalibrated`: the why line says so beside a prediction)."""
         return {"sizes": self.sizes, "contexts": self.contexts, "forward": self.forward, "step": self.step,
                 "loop": self.loop_ms, "device": self.key.get("device", ""), "measured_at": self.measured_at,
                 "uncalibrated": self.calibrated and not self.calibration.learnt}
