@@ -14,6 +14,7 @@ Timing covers only the time spent inside this generator: whatever a consumer doe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +26,10 @@ from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
+from specgui.kvcache import to_device
 from specgui.loading import LoadedModel
 from specgui.methods.base import DecodeState
-from specgui.sampling import GREEDY, Sampling, pick
+from specgui.sampling import GREEDY, Sampling
 from specgui.text import Detokenizer, piece_in_context
 from specgui.verify import verify
 
@@ -60,9 +62,10 @@ class Result:
 class _Clock:
     """Time spent inside the generator, phase by phase.
 
-    `mark()` ends a phase, `read()` returns the ms of the phases marked since the last read. On a GPU the
-    marks are CUDA events and `read` waits only for the last one, so nothing stalls between drafting and
-    the verify forward: the loop reads after the verdict, which has waited for the device anyway.
+    `mark()` ends a phase on the device's clock, `read()` returns the ms of the phases marked since the last read.
+    On a GPU the marks are CUDA events: nothing stalls between drafting and the verify forward, and a step's phases
+    are read after its one read of the device (`verify`'s), which the last mark precedes (`read(synced=True)` then
+    waits for nothing). Host-only work (a drafter's `observe`, building the event) is timed on the host (`host`).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -73,12 +76,18 @@ class _Clock:
     def mark(self) -> None:
         self.marks.append(self.device.mark())
 
-    def read(self) -> list[float]:
-        if self.device.cuda:
+    def read(self, synced: bool = False) -> list[float]:
+        if self.device.cuda and not synced:
             self.marks[-1].synchronize()
         ms = [self.device.ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
         self.marks = self.marks[-1:]
         self.total += sum(ms) / 1000
+        return ms
+
+    def host(self, started: float) -> float:
+        """The ms since `started` (`time.perf_counter`), counted in the total."""
+        ms = (time.perf_counter() - started) * 1000
+        self.total += ms / 1000
         return ms
 
     def resume(self) -> None:
@@ -116,10 +125,10 @@ def generate(
         raise SpecGUIError(f"the cost profile was measured on the {'fast' if profile.key.get('fast_path') else 'eager'}"
                            f" path, this run takes the {'fast' if static else 'eager'} one")
     cache = fastpath.cache_for(runner, len(prompt_ids) + max_new_tokens) if static else kvcache.KVCache()
-    if static and drafter.stand_ins():
-        fastpath.warm_up(cache, drafter.stand_ins())  # before the clock starts: no capture is ever timed
+    if static and drafter.pieces():
+        fastpath.warm_up(cache, drafter.pieces())  # before the clock starts: no capture is ever timed
     state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
-                        profile, tokenizer=lm.tokenizer, method=method)
+                        profile, tokenizer=lm.tokenizer, method=method, static=static)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
@@ -132,15 +141,16 @@ def generate(
         n = len(prompt_ids)
         logits = runner.forward(torch.tensor(prompt_ids), torch.arange(n), state.cache,
                                 observer=drafter.begin(state), logits_rows=slice(n - 1, n))
-        first = pick(logits[0], sampling, generator)
+        verdict = verify(logits, Draft(), sampling, generator, before_read=clock.mark, riders=state.riders)
+        state.riders = []
+        first = verdict.token
         state.tokens.append(first)
-        clock.mark()
-        [prefill_ms] = clock.read()
-        payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_logits=None,
+        [prefill_ms] = clock.read(synced=True)
+        started = time.perf_counter()
+        payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_tokens=None,
                                                  prefill=True, verify_ms=prefill_ms))
-        clock.mark()
-        [overhead_ms] = clock.read()  # the clock stops: building events (detokenizing) is presentation
-        prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=_margins(logits)[0],
+        overhead_ms = clock.host(started)  # the clock stops: building events (detokenizing) is presentation
+        prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=verdict.margins[0],
                           ms=prefill_ms, overhead_ms=overhead_ms, payload=payload)
         yield prefill
         clock.resume()
@@ -161,30 +171,29 @@ def generate(
             predicted_ms = state.step_ms(draft.cost_ms, rows)
             priced_verify_ms = profile.verify_ms(rows, state.committed)
             logits, extra_logits = _verify_forward(state, draft)
-            verdict = verify(logits, draft, sampling, generator)
+            verdict = verify(logits, draft, sampling, generator, extra_logits, before_read=clock.mark,
+                             riders=state.riders)
+            state.riders = []
             # 3. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
             emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
             emitted, stop = _cut(lm, state, emitted)
             # 4. crop: keep the pending token and the accepted nodes' keys, drop the rest
-            state.cache.keep(state.committed, [0] + [i + 1 for i in verdict.path])
+            state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
             state.tokens.extend(emitted)
-            clock.mark()
-            draft_ms, verify_ms = clock.read()  # the verdict has waited for the device: nothing stalls here
+            draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
+            started = time.perf_counter()
             # 5. observe (and the cost model learns what the step cost against what it priced)
             profile.learn(method, rows, draft_ms + verify_ms, draft.cost_ms, priced_verify_ms)
-            outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_logits=extra_logits,
-                              draft_ms=draft_ms, verify_ms=verify_ms)
+            outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
+                              extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}
             state.step += 1
-            clock.mark()
-            [overhead_ms] = clock.read()
             step = Step(
                 index=state.step, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
                 draft_pieces=tuple(_draft_pieces(lm, context, draft)), path=tuple(verdict.path),
                 token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
-                emitted_pieces=tuple(detok.push(t) for t in emitted),
-                margins=tuple(_margins(logits[[0] + [i + 1 for i in verdict.path]]))[: len(emitted)],
-                forward_tokens=rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
+                emitted_pieces=tuple(detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
+                forward_tokens=rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=clock.host(started),
                 payload=payload, predicted_ms=predicted_ms, plain_ms=plain_ms,
             )
             steps.append(step)
@@ -226,8 +235,12 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, tor
     rows: torch.Tensor | slice = slice(None) if want else slice(0, n)
     if want and extras.logit_rows is not None:
         rows = torch.cat([torch.arange(n), n + torch.tensor(extras.logit_rows, dtype=torch.long)])
+    ids = torch.tensor(tokens)
+    if draft.on_device is not None:  # the nodes stay on the device, after the pending token, before any extras
+        device = draft.on_device.tokens.device
+        ids = torch.cat([to_device(ids[:1], device), draft.on_device.tokens, to_device(ids[1:], device)])
     logits = state.runner.forward(
-        torch.tensor(tokens), torch.tensor(positions), state.cache, visibility=visibility, logits_rows=rows,
+        ids, torch.tensor(positions), state.cache, visibility=visibility, logits_rows=rows,
         observer=draft.observer, pre_layer=extras.pre_layer if extras else None,
     )
     return logits[:n], (logits[n:] if want else None)
@@ -248,11 +261,6 @@ def _stop_reason(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> str
     if emitted[-1] in lm.stop_ids:
         return "eos"
     return "length" if state.generated >= state.max_new_tokens else None
-
-
-def _margins(logits: torch.Tensor) -> list[float]:
-    top = logits.topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
 
 
 def _draft_pieces(lm: LoadedModel, context: list[int], draft: Draft) -> list[str]:

@@ -7,10 +7,12 @@ Python list, which uploads it) stalls the host until the device catches up. Both
 not of the device, so they are counted here on whatever device runs (CI's CPU included), where a timing could
 only be taken on a GPU.
 
-`Counter` is a context manager: inside it, every `Runner.new_pass` starts a pass, every `fastpath.Program` call is
-charged to the pass begun last, and a torch function mode counts the host reads. A step clock's read counts as one
+`counting` is a context manager: inside it, every `Runner.new_pass` starts a pass, every program call is charged to
+the pass that makes it (`StaticPass.call`: a spliced forward's pieces to the target's pass, its compressed passes to
+their own), and a torch function mode counts the host reads. A step clock's read counts as one
 synchronisation (on CUDA it waits for the step's last event; on a CPU it waits for nothing, and is counted all the
-same, since the count is of the path). What runs inside a program's function is not counted as a host read: on a
+same, since the count is of the path), unless it follows the step's own read of the device (`synced`), which its
+last mark precedes. What runs inside a program's function is not counted as a host read: on a
 GPU it is captured, and a read there would fail the capture.
 """
 
@@ -73,28 +75,32 @@ def counting() -> Iterator[Counts]:
 
     counts = Counts()
     mode = _HostReads(counts.reads)
-    new_pass, call, read = Runner.new_pass, fastpath.Program.__call__, decode._Clock.read
+    new_pass, call, read = Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read
+    passes: dict[int, int] = {}  # id of a pass -> its index in `counts.programs`
 
     def counted_pass(self: Runner, *args: Any, **kwargs: Any) -> Any:
+        made = new_pass(self, *args, **kwargs)
+        passes[id(made)] = len(counts.programs)
         counts.programs.append(0)
-        return new_pass(self, *args, **kwargs)
+        return made
 
-    def counted_call(self: fastpath.Program) -> torch.Tensor:
-        if counts.programs:
-            counts.programs[-1] += 1
+    def counted_call(self: fastpath.StaticPass, program: fastpath.Program) -> torch.Tensor:
+        if id(self) in passes:
+            counts.programs[passes[id(self)]] += 1
         mode.paused += 1
         try:
-            return call(self)
+            return call(self, program)
         finally:
             mode.paused -= 1
 
-    def counted_read(self: Any) -> list[float]:
-        counts.reads["step clock"] += 1
-        return read(self)
+    def counted_read(self: Any, synced: bool = False) -> list[float]:
+        if not synced:  # a read after the step's own read of the device waits for nothing
+            counts.reads["step clock"] += 1
+        return read(self, synced)
 
-    Runner.new_pass, fastpath.Program.__call__, decode._Clock.read = counted_pass, counted_call, counted_read
+    Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = counted_pass, counted_call, counted_read
     try:
         with mode:
             yield counts
     finally:
-        Runner.new_pass, fastpath.Program.__call__, decode._Clock.read = new_pass, call, read
+        Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = new_pass, call, read

@@ -23,7 +23,7 @@ class Extras:
 
     `visibility` [E, 1 + N + E] says what each extra token attends to among the block
     `[pending, nodes..., extras...]` (besides the cached prefix, which every token sees). Their keys and
-    values are dropped after the forward; their logits come back in `Outcome.extra_logits`, for every
+    values are dropped after the forward; the target's argmax at them comes back in `Outcome.extra_tokens`, for every
     extra or, with `logit_rows`, for those extras only (in that order): the LM head is a large share of a
     small model's forward, so rows nobody reads are not computed.
     """
@@ -34,6 +34,37 @@ class Extras:
     pre_layer: PreLayer | None = None
     want_logits: bool = True
     logit_rows: list[int] | None = None
+
+
+@dataclass
+class OnDevice:
+    """Draft nodes still on the device: their tokens, whether each was drafted, and its draft probability.
+
+    Why: on a GPU every read of a device value stalls the host, and a model-drafted token is known only on the
+    device. A drafter on the fast path drafts a fixed shape without reading (a chain of the size the policy chose,
+    SWIFT's widest tree) and leaves the cut to the values: `valid` is false for a node past the draft-exit (a
+    chain's first token under the threshold ends it) or beyond its position's width. The verify forward carries
+    every node; the step's one read brings these tensors with the target's verdict, and `Draft.settle` then keeps
+    the valid nodes, so the draft the step shows and the tokens it emits are those a drafter reading every token
+    would have made. `spine` lists the nodes of the drafted chain (the others are its siblings)."""
+
+    tokens: torch.Tensor  # [N] long
+    valid: torch.Tensor  # [N] bool
+    confidences: torch.Tensor  # [N] float
+    spine: list[int]
+
+    def packed(self) -> torch.Tensor:
+        return torch.cat([self.tokens.double(), self.valid.double(), self.confidences.double()])
+
+
+@dataclass
+class Rider:
+    """Device values a drafter needs on the host, read with the step's verdict instead of on their own (ADMG's prompt
+    ACS, Fractal's slot guesses): `values` is filled by the read (`DecodeState.ride`). On a GPU a read of its own
+    would stall the host once more in the step."""
+
+    device: torch.Tensor
+    values: list[float] | None = None
 
 
 @dataclass
@@ -54,19 +85,45 @@ class Draft:
     observer: Observer | None = None
     info: dict[str, Any] = field(default_factory=dict)
     cost_ms: float = 0.0
+    on_device: OnDevice | None = None  # nodes not read yet (`tokens` stays empty until `settle`)
+    rows: list[int] | None = None  # after `settle`: each node's index among the nodes the verify carried
+    confidences: list[float] | None = None  # after `settle`: each node's draft probability
+    spine: list[int] | None = None  # after `settle`: the kept nodes of the drafted chain
 
     def __post_init__(self) -> None:
+        n = len(self.tokens) if self.on_device is None else len(self.on_device.tokens)
         if self.parents is None:
-            self.parents = list(range(-1, len(self.tokens) - 1))
-        if len(self.parents) != len(self.tokens) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            self.parents = list(range(-1, n - 1))
+        if len(self.parents) != n or any(not -1 <= p < i for i, p in enumerate(self.parents)):
             raise ValueError("draft parents must point to an earlier node or -1")
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.parents)
+
+    def block_row(self, node: int) -> int:
+        """The verify block's row of `node` (-1: the pending token's, row 0)."""
+        return 0 if node < 0 else 1 + (node if self.rows is None else self.rows[node])
+
+    def device_tokens(self) -> torch.Tensor | list[int]:
+        """The nodes' tokens as the verify forward reads them: a list, or a device tensor before `settle`."""
+        return self.tokens if self.on_device is None else self.on_device.tokens
+
+    def settle(self, values: list[float]) -> None:
+        """Keep the valid nodes of an `on_device` draft, from the step's read of `OnDevice.packed`: tokens, parents
+        renumbered among the kept nodes (a kept node's parent is kept), `rows` and `confidences`."""
+        n = len(self.parents)
+        tokens, valid, confidences = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
+        kept = [i for i in range(n) if valid[i] > 0]
+        index = {old: new for new, old in enumerate(kept)}
+        spine = set(self.on_device.spine)
+        self.spine = [index[i] for i in kept if i in spine]
+        self.tokens = [int(tokens[i]) for i in kept]
+        self.parents = [index.get(self.parents[i], -1) for i in kept]
+        self.rows, self.confidences, self.on_device = kept, [confidences[i] for i in kept], None
 
     @property
     def is_chain(self) -> bool:
-        return self.parents == list(range(-1, len(self.tokens) - 1))
+        return self.parents == list(range(-1, len(self) - 1))
 
     def depths(self) -> list[int]:
         """Depth of each node below the pending token (a root child has depth 1)."""
@@ -85,7 +142,7 @@ class Draft:
 
     def visibility(self) -> torch.Tensor:
         """[1 + N, 1 + N] tree attention: each token sees the pending token, its ancestors and itself."""
-        n = len(self.tokens)
+        n = len(self)
         visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
         visible[:, 0] = True
         for i, p in enumerate(self.parents):
@@ -117,7 +174,7 @@ class Outcome:
     path: list[int]  # accepted draft nodes, root to leaf
     token: int  # the verifier's own token (bonus after a full path, else the correction)
     emitted: list[int]  # tokens committed this step (accepted path + own token, cut at a stop)
-    extra_logits: torch.Tensor | None  # [E, V] logits of the extras (or of `Extras.logit_rows`), when asked for
+    extra_tokens: list[int] | None  # the target's argmax at the extras (or at `Extras.logit_rows`), when asked for
     prefill: bool = False
     draft_ms: float = 0.0
     verify_ms: float = 0.0

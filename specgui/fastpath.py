@@ -21,11 +21,15 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
     copy from pinned memory and builds the rest on the device, so loading never stalls the host.
   * `Program`: a function of one static input buffer at one bucket size, returning its own output buffer.
     On CUDA it is captured as a CUDA graph and replayed; elsewhere it is the same function called on the
-    same buffers, so a test on a CPU checks everything but the capture itself. Two kinds:
-      - whole: the whole forward (embedding to last layer) of a pass with no skip, observer or splice
-        (baseline steps, most verifies): one replay a forward;
-      - sub-layer: one attention or MLP sub-layer, for passes that skip, observe or splice.
-    Every bucket's programs are captured at warm-up (`warm_up`), outside any timed step.
+    same buffers, so a test on a CPU checks everything but the capture itself. A pass runs as one program:
+      - forward: a stretch of layers (the whole model from the embedding, for a forward; one layer, for a
+        CLaSp DP unit) with a skip plan's sub-layers left out and, where the pass is observed, every
+        sub-layer's state recorded into the output (`StaticKVCache.forward_program`). The plain forward's
+        programs are made at warm-up (`warm_up`); a skip plan's when a method adopts it (`adopt`), a bounded
+        number of plans kept (`PLANS`), so that a capture is never taken inside a step that is timed;
+      - sub-layer: one attention or MLP sub-layer, for what still runs piecewise (Fractal's spliced forwards).
+    Every program owns its output buffer, allocated before capture outside the graphs' shared memory pool: a
+    replay of a program captured earlier can reuse the pool's memory of one captured later, never its output.
 
 The contract that keeps held outputs right: a program's output is valid only until the next program runs.
 Whatever a caller keeps across another program call it makes lasting (`Pass.lasting`): observers get
@@ -36,6 +40,7 @@ every other program's output with NaN, so a held output poisons the tokens inste
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -47,14 +52,16 @@ import torch
 from torch import nn
 
 from specgui.errors import SpecGUIError
-from specgui.kvcache import KVCache, Layout, to_device
-from specgui.runner import ATTN, MLP, Pass, Runner, sublayer
+from specgui.kvcache import Cache, KVCache, Layout, to_device
+from specgui.runner import ATTN, MLP, Observer, Pass, Runner, SkipPlan, sublayer, unit_index
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")
-WHOLE = -1  # the `kind` of a whole-forward program
+FORWARD = -1  # the `kind` of a forward program (a stretch of layers as one program)
+PLANS = 8  # skip plans whose forward programs a cache keeps (the least recently used goes first)
+Piece = tuple[Sequence[nn.Module] | None, range]  # a stretch of layers run as one program (modules standing in)
 LOG = logging.getLogger("specgui.fastpath")
 
 
@@ -103,29 +110,36 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
     return cache
 
 
-def warm_up(cache: StaticKVCache, blocks: list[tuple[int, nn.Module]] | None = None) -> None:
-    """Make (on CUDA: capture) every bucket's programs now, outside any timed step: the whole forward and
-    each sub-layer of every layer, or, given `blocks` [(layer, module)], those of modules standing in for
-    layers (Fractal's compressed copies). Captures run on inputs that touch only the scratch region, so
-    the cache's contents stay as they are. Programs made before are skipped: a second call is free."""
+def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
+            buckets: Sequence[int] = BUCKETS) -> None:
+    """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, its
+    recording variant and each sub-layer of every layer (what the cost model times); given `pieces`, those stretches
+    of layers, one program each (`Drafter.pieces`); given `plans`, those skip plans' forwards. At `buckets`.
+    Captures run on inputs that touch only the scratch region, so the cache's contents stay as they are. Programs
+    made before are skipped: a second call is free."""
     runner = cache.runner
-    if blocks is None:
-        blocks = [(None, None)] + [(layer, runner.layers[layer]) for layer in range(runner.num_layers)]
+
+    def wanted(inputs: BucketInputs) -> list[Program]:
+        if plans:
+            return [cache.forward_program(inputs, plan) for plan in plans]
+        if pieces is not None:
+            return [cache.forward_program(inputs, layers=layers, modules=modules) for modules, layers in pieces]
+        return ([cache.forward_program(inputs, record=record) for record in (False, True)]
+                + [cache.program(runner.layers[layer], layer, kind, inputs)
+                   for layer in range(runner.num_layers) for kind in (ATTN, MLP)])
+
     started = time.perf_counter()
     made = 0
     with torch.inference_mode():
-        for rows in BUCKETS:
-            missing = [(layer, block, kind) for layer, block in blocks
-                       for kind in ((WHOLE,) if block is None else (ATTN, MLP))
-                       if _key(block, kind, rows) not in cache.programs]
-            if not missing:
-                continue
+        for rows in buckets:
             inputs = cache.inputs_for(rows)
+            programs = [program for program in wanted(inputs) if not program.ready]
+            if not programs:
+                continue
             inputs.load(_WARM_UP, torch.zeros(rows, dtype=torch.long),
                         [Layout(0, cache.capacity, cache.columns)] * runner.num_layers,
                         torch.eye(rows, dtype=torch.bool))
-            for layer, block, kind in missing:
-                program = cache.whole(inputs) if block is None else cache.program(block, layer, kind, inputs)
+            for program in programs:
                 program.prepare()
                 made += 1
     if made:
@@ -135,6 +149,13 @@ def warm_up(cache: StaticKVCache, blocks: list[tuple[int, nn.Module]] | None = N
             cache.graph_bytes = torch.cuda.memory_allocated(runner.device) - cache.base_bytes
 
 
+def adopt(cache: Cache, plan: SkipPlan) -> None:
+    """Make a skip plan's draft forward (one row) ready before it is used, where `cache` is the fast path's: a method
+    calls it when it adopts a plan, so that the capture falls outside the steps it drafts in."""
+    if isinstance(cache, StaticKVCache) and plan:
+        warm_up(cache, plans=[plan], buckets=(1,))
+
+
 def stats(runner: Runner) -> dict[str, Any]:
     """What the runner's fast path holds: programs, captured graphs, failed captures, time and memory."""
     cache = runner.static_cache
@@ -142,7 +163,7 @@ def stats(runner: Runner) -> dict[str, Any]:
         return {"programs": 0, "graphs": 0, "whole_graphs": 0, "failed": 0, "capture_s": 0.0, "graph_bytes": 0}
     programs = cache.programs.values()
     return {"programs": len(cache.programs), "graphs": sum(p.graph is not None for p in programs),
-            "whole_graphs": sum(p.graph is not None for k, p in cache.programs.items() if k[1] == WHOLE),
+            "whole_graphs": sum(p.graph is not None for k, p in cache.programs.items() if k[1] == FORWARD),
             "failed": sum(p.failed for p in programs), "capture_s": cache.capture_s,
             "graph_bytes": cache.graph_bytes}
 
@@ -168,8 +189,8 @@ _live: list[Program] = []  # outputs not yet poisoned, in check mode
 _WARM_UP = object()  # the owner of inputs loaded for captures
 
 
-def _key(block: nn.Module | None, kind: int, rows: int) -> tuple[int, int, int]:
-    return (0 if block is None else id(block), kind, rows)
+def _key(block: nn.Module | None, kind: int, rows: int, *variant: Any) -> tuple[Any, ...]:
+    return (0 if block is None else id(block), kind, rows, *variant)
 
 
 class StaticKVCache(KVCache):
@@ -193,7 +214,8 @@ class StaticKVCache(KVCache):
         self.values = [torch.zeros(shape, dtype=runner.dtype, device=device) for _ in range(runner.num_layers)]
         self.lengths = [0] * runner.num_layers
         self.inputs: dict[int, BucketInputs] = {}
-        self.programs: dict[tuple[int, int, int], Program] = {}
+        self.programs: dict[tuple[Any, ...], Program] = {}
+        self.plans: collections.OrderedDict[SkipPlan, None] = collections.OrderedDict()  # most recently used last
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.side = torch.cuda.Stream(device) if self.graphs else None  # every capture's warm-up runs here
         self.capture_s = 0.0
@@ -213,7 +235,7 @@ class StaticKVCache(KVCache):
         return Layout(n, n, self.columns)
 
     def view(self, length: int, scratch: bool = False) -> StaticView:
-        return StaticView(self, length)  # a static view's keys always go to the scratch region
+        return StaticView(self, length, scratch)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,31 +267,55 @@ class StaticKVCache(KVCache):
             self.programs[key] = Program(run, example, self, getattr(block, "capturable", True))
         return self.programs[key]
 
-    def whole(self, inputs: BucketInputs) -> Program:
-        """The program running a whole forward at a bucket: token ids [1, Tb] in, last layer's output out."""
-        key = _key(None, WHOLE, inputs.rows)
+    def forward_program(self, inputs: BucketInputs, skip: SkipPlan | None = None, layers: range | None = None,
+                        record: bool = False, modules: Sequence[nn.Module] | None = None) -> Program:
+        """The program running `layers` at a bucket as one piece, `skip`'s sub-layers left out, `modules[layer]`
+        standing in for the runner's layers where given (Fractal's compressed copies). Without `layers`: the whole
+        model from token ids [1, Tb]; with them, from hidden states [1, Tb, H]. Out: the last layer's output
+        [1, Tb, H], or, `record`ing, the state before the first and after every sub-layer [2 * len(layers) + 1, 1,
+        Tb, H] (a skipped one's: its input), the last being the output."""
+        runner = self.runner
+        embeds = layers is None
+        layers = range(runner.num_layers) if layers is None else layers
+        blocks = runner.layers if modules is None else modules
+        skip = skip or None
+        key = _key(None, FORWARD, inputs.rows, skip, layers.start, layers.stop, embeds, record,
+                   0 if modules is None else id(modules))
+        if skip is not None:
+            self.plans[skip] = None
+            self.plans.move_to_end(skip)
+            if len(self.plans) > PLANS:
+                dropped, _ = self.plans.popitem(last=False)
+                self.programs = {k: p for k, p in self.programs.items() if dropped not in k}
         if key not in self.programs:
-            runner = self.runner
 
-            def run(ids: torch.Tensor) -> torch.Tensor:
-                h = runner.embed(ids)
-                for layer in range(runner.num_layers):
+            def run(x: torch.Tensor) -> torch.Tensor:
+                h = runner.embed(x) if embeds else x
+                states = [h]
+                for layer in layers:
                     for kind in (ATTN, MLP):
-                        h = sublayer(runner.layers[layer], kind, h, (inputs.cos, inputs.sin), inputs.mask[layer],
-                                     inputs.positions, inputs)
-                return h
+                        if skip is None or not skip.skips(layer, kind):
+                            h = sublayer(blocks[layer], kind, h, (inputs.cos, inputs.sin), inputs.mask[layer],
+                                         inputs.positions, inputs)
+                        states.append(h)
+                return torch.stack(states) if record else h
 
-            example = torch.zeros(1, inputs.rows, dtype=torch.long, device=runner.device)
-            self.programs[key] = Program(run, example, self, True)
+            shape = (1, inputs.rows) if embeds else (1, inputs.rows, runner.config.hidden_size)
+            example = torch.zeros(shape, dtype=torch.long if embeds else runner.dtype, device=runner.device)
+            capturable = all(getattr(blocks[layer], "capturable", True) for layer in layers)
+            self.programs[key] = Program(run, example, self, capturable)
         return self.programs[key]
 
 
 class StaticView:
-    """A read-only window on the first `length` positions of a `StaticKVCache`: new keys go to scratch."""
+    """A read-only window on the first `length` positions of a `StaticKVCache`: new keys go to the scratch region,
+    or, where the caller declares the positions past the window dead (`scratch`), right after the window, as
+    `FrozenView` puts them (Fractal's kept-slot redo reads a lower pass's keys there)."""
 
-    def __init__(self, store: StaticKVCache, length: int) -> None:
+    def __init__(self, store: StaticKVCache, length: int, scratch: bool = False) -> None:
         self.store = store
         self.length = length
+        self.scratch = scratch
 
     pass_type: type[Pass]  # set below
 
@@ -279,10 +325,12 @@ class StaticView:
     def layout(self, layer: int, rows: int) -> Layout:
         if rows > SCRATCH:
             raise SpecGUIError(f"a read-only pass of {rows} tokens exceeds the fast path's scratch of {SCRATCH}")
-        return Layout(self.get_seq_length(layer), self.store.capacity, self.store.columns)
+        n = self.get_seq_length(layer)
+        in_place = self.scratch and n + rows <= self.store.capacity
+        return Layout(n, n if in_place else self.store.capacity, self.store.columns)
 
     def view(self, length: int, scratch: bool = False) -> StaticView:
-        return StaticView(self.store, min(length, self.length))
+        return StaticView(self.store, min(length, self.length), scratch or self.scratch)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,6 +352,7 @@ class BucketInputs:
     sin: torch.Tensor
     mask: torch.Tensor  # [L, 1, 1, Tb, C] bool
     index: torch.Tensor  # [L, Tb] where each row's keys go, per layer
+    live: torch.Tensor  # [L, 1, 1, C, 1] bool: the columns some row sees, per layer
     owner: object = field(default=None, repr=False)
 
     @classmethod
@@ -313,14 +362,18 @@ class BucketInputs:
         cos, sin = runner.rotary(torch.empty(0, dtype=runner.dtype, device=device), positions)
         return cls(store, rows, positions, cos, sin,
                    torch.zeros(runner.num_layers, 1, 1, rows, store.columns, dtype=torch.bool, device=device),
-                   torch.zeros(runner.num_layers, rows, dtype=torch.long, device=device))
+                   torch.zeros(runner.num_layers, rows, dtype=torch.long, device=device),
+                   torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device))
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.store.keys[layer_idx], self.store.values[layer_idx]
         k.index_copy_(2, self.index[layer_idx], keys)
         v.index_copy_(2, self.index[layer_idx], values)
-        return k, v
+        # attention reads every column under a mask, and a masked weight of 0 times a NaN or Inf left in a slot no row
+        # sees (scratch, stale or padded keys) is NaN: such slots are read as zeros
+        live = self.live[layer_idx]
+        return k.masked_fill(~live, 0), v.masked_fill(~live, 0)
 
     def load(self, owner: object, positions: torch.Tensor, layouts: list[Layout], visible: torch.Tensor) -> None:
         """Fill these inputs for a forward at `positions` [T] (host) with `visible` [T, T], unless `owner`'s
@@ -345,6 +398,7 @@ class BucketInputs:
         prefix, offset = data[rows : rows + n, None], data[rows + n : rows + 2 * n, None]
         self.mask.copy_(masks(prefix, offset, data[rows + 2 * n :].view(rows, rows).bool(), layouts[0].columns)
                         .unsqueeze(1).unsqueeze(1))
+        self.live.copy_(self.mask.any(3).unsqueeze(-1))
         self.index.copy_(offset + torch.arange(rows, device=data.device))
         self.owner = owner
 
@@ -368,8 +422,9 @@ class Program:
     """A function of one static input buffer, run by CUDA graph replay on CUDA, by a plain call elsewhere.
 
     `__call__` returns the output buffer, the same tensor every time. On CUDA `prepare` (at warm-up, or on
-    first use) runs the function once on the cache's side stream (lazy initialisations, allocator), then
-    captures it into the cache's graph memory pool; a function that cannot be captured stays eager.
+    first use) runs the function once on the cache's side stream (lazy initialisations, allocator), allocates
+    the output buffer from that result outside the graphs' pool, then captures the function and a copy into that
+    buffer, its intermediates in the cache's graph memory pool; a function that cannot be captured stays eager.
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, store: StaticKVCache,
@@ -410,12 +465,12 @@ class Program:
         side = self.store.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.fn(self.input)
+            self.output = torch.empty_like(self.fn(self.input))  # outside the shared pool: no replay reuses it
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.store.pool, stream=side):
-                self.output = self.fn(self.input)
+                self.output.copy_(self.fn(self.input))
         except RuntimeError as exc:
             if not any(p.failed for p in self.store.programs.values()):
                 LOG.warning("a program could not be captured as a CUDA graph and runs eagerly (others may "
@@ -432,7 +487,7 @@ class StaticPass(Pass):
                  visibility: torch.Tensor | None) -> None:
         # positions stay on the host (callers build them there): they reach the device inside the one upload
         self.runner, self.cache, self.visibility = runner, cache, visibility
-        self.host_positions = positions.view(-1).cpu()
+        self.host_positions = positions.view(-1) if positions.device.type == "cpu" else positions.view(-1).cpu()
         t = self.length = self.host_positions.shape[0]
         self.store = cache.store
         self.writes = isinstance(cache, StaticKVCache)  # a view stores nothing
@@ -445,19 +500,58 @@ class StaticPass(Pass):
     def _load(self) -> None:
         self.inputs.load(self, self.host_positions, self.layouts, self.visible)
 
-    def whole_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """The whole forward as one program: token ids [T] (host) -> last layer's output [1, T, H]."""
+    def call(self, program: Program) -> torch.Tensor:
+        """Run one of this pass's programs (every program call goes through here: `dispatch` counts them per pass)."""
+        return program()
+
+    def whole_forward(self, tokens: torch.Tensor, skip: SkipPlan | None = None,
+                      observer: Observer | None = None) -> torch.Tensor | None:
+        """The whole forward as one program: token ids [T] (host or device) -> last layer's output [1, T, H]. An
+        observer hears every state once the program has run, from copies (the output buffer is reused)."""
         if not self.bucketed:
             return None
         self._load()
         t = self.length
-        program = self.store.whole(self.inputs)
+        program = self.store.forward_program(self.inputs, skip, record=observer is not None)
         program.input[0, :t].copy_(to_device(tokens.view(-1), program.input.device))
-        out = program()[:, :t]
-        if self.writes:
-            for layer, layout in enumerate(self.layouts):
-                self.store.lengths[layer] = layout.offset + t
+        out = self.call(program)
+        self._wrote(range(self.runner.num_layers), skip)
+        if observer is None:
+            return out[:, :t]
+        states = out[:, :, :t].clone()
+        observer(0, states[0])
+        for layer in range(self.runner.num_layers):
+            for kind in (ATTN, MLP):
+                if skip is None or not skip.skips(layer, kind):
+                    observer(unit_index(layer, kind), states[unit_index(layer, kind)])
+        return states[-1]
+
+    def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:
+        if not self.bucketed:
+            return super().run_segment(h, layers, skip)
+        return self._stretch(h, layers, skip, None)
+
+    def run_layers(self, h: torch.Tensor, layers: range, modules: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """The stretch as one program (a spliced forward's pieces, Fractal's compressed passes)."""
+        if not self.bucketed or not layers:
+            return super().run_layers(h, layers, modules)
+        return self._stretch(h, layers, None, modules)
+
+    def _stretch(self, h: torch.Tensor, layers: range, skip: SkipPlan | None,
+                 modules: Sequence[nn.Module] | None) -> torch.Tensor:
+        self._load()
+        program = self.store.forward_program(self.inputs, skip, layers, modules=modules)
+        program.input[:, : self.length].copy_(h)
+        out = self.call(program)[:, : self.length]
+        self._wrote(layers, skip)
         return out
+
+    def _wrote(self, layers: range, skip: SkipPlan | None) -> None:
+        """The cache's lengths after this pass ran the attention of `layers` (those `skip` leaves in)."""
+        if self.writes:
+            for layer in layers:
+                if skip is None or not skip.skips(layer, ATTN):
+                    self.store.lengths[layer] = self.layouts[layer].offset + self.length
 
     def run_unit(self, h: torch.Tensor, layer: int, kind: int, module: nn.Module | None = None) -> torch.Tensor:
         block = module if module is not None else self.runner.layers[layer]
@@ -466,11 +560,11 @@ class StaticPass(Pass):
         if self.bucketed:
             program = self.store.program(block, layer, kind, inputs)
             program.input[:, : self.length].copy_(h)
-            out = program()[:, : self.length]
+            out = self.call(program)[:, : self.length]
         else:  # beyond the largest bucket and not causal (a huge tree): the same sub-layer, eagerly
             out = sublayer(block, kind, h, (inputs.cos, inputs.sin), inputs.mask[layer], inputs.positions, inputs)
-        if kind == ATTN and self.writes:
-            self.store.lengths[layer] = self.layouts[layer].offset + self.length
+        if kind == ATTN:
+            self._wrote(range(layer, layer + 1), None)
         return out
 
     def one_call(self, h: torch.Tensor, layers: list[int],

@@ -101,14 +101,25 @@ def _gpucheck(data: dict[str, Any]) -> list[str]:
     return [summary_table(data)]
 
 
+def _dispatch(data: dict[str, Any]) -> list[str]:
+    found = data["sections"]["dispatch"]["dispatch"]
+    rows = [[method, f["programs_per_pass_max"], f"{f['programs_per_pass_mean']:.2f}", f"{f['syncs_per_token']:.2f}",
+             "yes" if f["programs_per_pass_max"] <= 1 and f["syncs_per_token"] <= 1.0 else "no"]
+            for method, f in found.items()]
+    return _table(["method", "programs per pass (most)", "programs per pass (mean)", "host reads per token",
+                   "one program a pass, at most one read a token"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "heldout": _heldout, "presets": _presets, "profile": _profile, "suite": _suite, "gpucheck": _gpucheck}
+    "heldout": _heldout, "presets": _presets, "profile": _profile, "suite": _suite, "gpucheck": _gpucheck,
+    "dispatch": _dispatch}
 COMMANDS = {  # what to run where a block has no JSON yet
     "heldout": "python -m specgui bench --prompts assets/heldout.jsonl --limit 1 --repeats 3 --max-new-tokens 64 "
                "--methods baseline,hf-generate,pld,clasp,admg,selfdraft,fractal,swift,dv,lookahead --save",
     "presets": "python -m specgui presets --save",
     "profile": "python -m specgui profile --refresh --save",
     "gpucheck": "python -m specgui gpucheck --out out/gpucheck --save",
+    "dispatch": "python -m specgui gpucheck --sections dispatch --device cpu --out out/dispatch --save",
     "suite": "python -m specgui suite-time --save",
 }
 

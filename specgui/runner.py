@@ -169,8 +169,8 @@ class Runner:
                 skip: SkipPlan | None, observer: Observer | None, pre_layer: PreLayer | None) -> torch.Tensor:
         """The last layer's output [1, T, H] of one forward."""
         step = self.new_pass(positions, cache, visibility)
-        if not skip and observer is None and pre_layer is None:
-            h = step.whole_forward(tokens)
+        if pre_layer is None:
+            h = step.whole_forward(tokens, skip, observer)
             if h is not None:
                 return h
         h = self.embed(to_device(tokens, self.embed_device).view(1, -1))
@@ -312,10 +312,20 @@ class Pass:
         """`h` as returned by `run_unit`, made safe to keep past the next sub-layer (here it already is)."""
         return h
 
-    def whole_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """The last layer's output of the whole forward in one piece, where this path has such a program
-        (the fast path's); None: the caller runs the sub-layers."""
+    def whole_forward(self, tokens: torch.Tensor, skip: SkipPlan | None = None,
+                      observer: Observer | None = None) -> torch.Tensor | None:
+        """The last layer's output of the whole forward, `skip`'s sub-layers left out, `observer` told every state,
+        in one piece where this path has such a program (the fast path's); None: the caller runs the sub-layers."""
         return None
+
+    def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:
+        """`layers` in order on hidden states [1, T, H], `skip`'s sub-layers left out: one program on the fast path,
+        the sub-layers one by one here."""
+        for layer in layers:
+            for kind in (ATTN, MLP):
+                if skip is None or not skip.skips(layer, kind):
+                    h = self.run_unit(h, layer, kind)
+        return h
 
 
 def sublayer(block: nn.Module, kind: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,

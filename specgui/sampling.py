@@ -66,11 +66,4 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token from one row of logits [V]: argmax when greedy, else a sample."""
-    if sampling.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, sampling), 1, generator=generator))
-
-
 GREEDY = Sampling()

@@ -15,11 +15,12 @@ A fully accepted path ends with a bonus token drawn from p at its leaf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from specgui.draft import Draft
+from specgui.draft import Draft, Rider
 from specgui.sampling import Sampling, probabilities
 
 
@@ -28,25 +29,60 @@ class Verdict:
     path: list[int]  # accepted nodes, root to leaf
     token: int  # verifier's own token
     corrected: bool  # True when the own token replaced a rejected draft token
+    margins: list[float] = field(default_factory=list)  # target top-1 minus top-2 logit: pending row, then the path's
+    extra_tokens: list[int] | None = None  # the target's argmax at each extra row whose logits came back
 
 
-def verify(logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: torch.Generator | None) -> Verdict:
-    """Decide a draft against target `logits` [1 + N, V] (row 0: the pending token, row i + 1: node i)."""
+def verify(logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: torch.Generator | None,
+           extra_logits: torch.Tensor | None = None, before_read: Callable[[], None] | None = None,
+           riders: Sequence[Rider] = ()) -> Verdict:
+    """Decide a draft against target `logits` [1 + N, V] (row 0: the pending token, row i + 1: node i).
+
+    Under greedy decoding the step reads the device once: the target's argmax and margin of every row, the argmax
+    of `extra_logits`, an `on_device` draft's nodes and the `riders`' values travel in one tensor (`before_read` is
+    called just before, where the decode loop marks its clock), and the walk down the tree runs on the host over
+    that read. Sampling reads as it goes (the acceptance test draws per child)."""
+    parts = [logits.argmax(-1).double(), _margins(logits).double()]
+    if extra_logits is not None and len(extra_logits):
+        parts.append(extra_logits.argmax(-1).double())
+    if draft.on_device is not None:
+        parts.append(draft.on_device.packed())
+    device = parts[0].device
+    parts += [rider.device.reshape(-1).to(device, torch.float64) for rider in riders]
+    if before_read is not None:
+        before_read()
+    values = torch.cat(parts).tolist()  # the step's one read
+    end = len(values)
+    for rider in reversed(riders):
+        start = end - rider.device.numel()
+        rider.values, end = values[start:end], start
+    values = values[:end]
+    rows = len(logits)
+    best, margins = [int(v) for v in values[:rows]], values[rows : 2 * rows]
+    extras = len(extra_logits) if extra_logits is not None else 0
+    extra_tokens = [int(v) for v in values[2 * rows : 2 * rows + extras]] if extra_logits is not None else None
+    if draft.on_device is not None:
+        draft.settle(values[2 * rows + extras :])
     children = draft.children()
-    if sampling.greedy:
-        return _greedy(logits, draft, children)
-    return _sample(logits, draft, children, sampling, generator)
+    path, token, corrected = (_greedy(best, draft, children) if sampling.greedy
+                              else _sample(logits, draft, children, sampling, generator))
+    kept = [margins[draft.block_row(node)] for node in [-1, *path]]
+    return Verdict(path, token, corrected, kept, extra_tokens)
 
 
-def _greedy(logits: torch.Tensor, draft: Draft, children: dict[int, list[int]]) -> Verdict:
-    best = logits.argmax(-1).tolist()
+def _margins(logits: torch.Tensor) -> torch.Tensor:
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def _greedy(best: list[int], draft: Draft, children: dict[int, list[int]]) -> tuple[list[int], int, bool]:
     path: list[int] = []
     node = -1
     while True:
-        want = best[node + 1]
+        want = best[draft.block_row(node)]
         match = next((c for c in children[node] if draft.tokens[c] == want), None)
         if match is None:
-            return Verdict(path, want, corrected=bool(children[node]))
+            return path, want, bool(children[node])
         path.append(match)
         node = match
 
@@ -57,11 +93,11 @@ def _sample(
     children: dict[int, list[int]],
     sampling: Sampling,
     generator: torch.Generator | None,
-) -> Verdict:
+) -> tuple[list[int], int, bool]:
     path: list[int] = []
     node = -1
     while True:
-        p = probabilities(logits[node + 1], sampling)
+        p = probabilities(logits[draft.block_row(node)], sampling)
         accepted = None
         for child in children[node]:
             token = draft.tokens[child]
@@ -78,7 +114,7 @@ def _sample(
             p = residual / total
         if accepted is None:
             token = int(torch.multinomial(p, 1, generator=generator))
-            return Verdict(path, token, corrected=bool(children[node]))
+            return path, token, bool(children[node])
         path.append(accepted)
         node = accepted
 

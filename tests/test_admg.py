@@ -26,13 +26,13 @@ def test_rules_always_leave_a_draft_model():
 
 def test_acs_is_the_mean_cosine_across_each_attention(tiny_lm):
     ids = torch.tensor([4, 8, 15, 16, 23, 42, 7, 7, 1])
-    meter, recorder = AcsMeter(4), HiddenRecorder()
+    meter, recorder = AcsMeter(4, torch.device("cpu")), HiddenRecorder()
     with torch.no_grad():
         tiny_lm.runner.forward(ids, torch.arange(9), KVCache(), observer=lambda k, h: (meter(k, h), recorder(k, h)))
     for layer in range(4):
         before, after = recorder.states[2 * layer][0], recorder.states[2 * layer + 1][0]  # [T, H]
         expected = torch.nn.functional.cosine_similarity(before, after, dim=-1).mean()
-        assert meter.acs[layer] == pytest.approx(float(expected), abs=1e-6)
+        assert float(meter.means[layer]) == pytest.approx(float(expected), abs=1e-6)
 
 
 def test_events_carry_acs_skip_set_and_adaptive_exit(tiny_lm):

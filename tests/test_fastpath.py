@@ -37,7 +37,8 @@ def test_static_forwards_match_model_forward(arch):
         got = torch.cat([lm.runner.forward(ids[a:b], torch.arange(a, b), cache) for a, b in chunks])
     assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
     assert cache.lengths == [82] * 4 and sorted(cache.inputs) == list(fastpath.BUCKETS)
-    assert set(cache.programs) == made and len(made) == len(fastpath.BUCKETS) * (1 + 2 * 4)
+    # per bucket: the forward, its recording variant, every sub-layer
+    assert set(cache.programs) == made and len(made) == len(fastpath.BUCKETS) * (2 + 2 * 4)
 
 
 def test_masks_pad_rows_that_see_only_themselves():
@@ -208,6 +209,58 @@ def test_the_overwrite_check_catches_a_held_output(tiny_lm):
                 assert bool(held.isnan().all()) is poisoned
 
 
+def test_the_overwrite_check_covers_programs_made_after_others(tiny_lm):
+    """A skip plan's forward is made when a method adopts it, after warm-up: its output is poisoned by an earlier
+    program's call, and an earlier program's by its call."""
+    runner = tiny_lm.runner
+    cache = fastpath.cache_for(runner, 16)
+    plan = SkipPlan(attn=frozenset({1}), mlp=frozenset({2}))
+    with torch.inference_mode():
+        runner.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache)
+        fastpath.adopt(cache, plan)
+        for first, then in ((plan, None), (None, plan)):
+            with fastpath.overwrite_check():
+                held = runner.new_pass(torch.tensor([3]), cache.view(3)).whole_forward(torch.tensor([5]), first)
+                assert not held.isnan().any()
+                runner.new_pass(torch.tensor([3]), cache.view(3)).whole_forward(torch.tensor([5]), then)
+                assert held.isnan().all()
+
+
+@pytest.mark.parametrize("c_layers", [True, False], ids=["c-layers", "modules"])
+@pytest.mark.parametrize("method", ["baseline", "pld", "admg", "clasp", "swift", "fractal", "lookahead"])
+def test_nan_in_every_unused_key_value_slot_changes_no_token(method, c_layers, monkeypatch):
+    """Attention reads every column of the static cache under a mask, and a masked weight of 0 times NaN is NaN: a
+    NaN or Inf left in scratch, stale or padded slots must reach no token. Every slot is unused when a run starts.
+    Through the C layers and through transformers' modules and torch's attention kernel (what a GPU runs)."""
+    tiny_lm = tiny_model(seed=0, cpu=c_layers)
+    params = FRACTAL_PAST_LAYER_0 if method == "fractal" else {"policy": "fixed"} if method != "baseline" else None
+    clean = [decode.run(tiny_lm, p, method, max_new_tokens=16, fast_path="on", params=params).token_ids
+             for p in TINY_PROMPTS]
+    made = fastpath.cache_for
+
+    def poisoned(runner, needed):
+        cache = made(runner, needed)
+        with torch.inference_mode():
+            for buffer in (*cache.keys, *cache.values):
+                buffer.fill_(float("nan"))
+        return cache
+
+    monkeypatch.setattr(fastpath, "cache_for", poisoned)
+    assert [decode.run(tiny_lm, p, method, max_new_tokens=16, fast_path="on", params=params).token_ids
+            for p in TINY_PROMPTS] == clean
+
+
+def test_fractal_drafts_on_the_fast_path_are_its_eager_drafts(tiny_lm):
+    """The spliced forwards' pieces and compressed passes as programs, the lower passes writing in place after their
+    window as the eager path's do (a kept-slot redo reads them there), the guesses read with the verdict: every
+    step drafts the tokens the eager path drafts."""
+    for prompt in TINY_PROMPTS:
+        runs = [decode.run(tiny_lm, prompt, "fractal", max_new_tokens=24, fast_path=mode,
+                           params=FRACTAL_PAST_LAYER_0).steps for mode in ("off", "on")]
+        drafts = [[(s.draft_tokens, s.payload.get("origin")) for s in steps] for steps in runs]
+        assert drafts[0] == drafts[1] and any(s.draft_tokens for s in runs[0])
+
+
 @pytest.mark.parametrize("method", ["fractal", "clasp", "selfdraft"])
 def test_methods_that_hold_states_are_identical_under_the_overwrite_check_on_the_embedded_model(
         embedded_lm, suite, method):
@@ -250,15 +303,17 @@ def test_a_long_prompt_runs_as_bucketed_chunks_identical_to_the_eager_runner():
         assert fast.token_ids == baseline_run(lm, prompt, 24).token_ids
 
 
-def test_warm_up_makes_every_bucket_once_and_stand_ins_on_demand():
+def test_warm_up_makes_every_bucket_once_and_pieces_on_demand():
     runner = tiny_model(seed=4).runner
     cache = fastpath.cache_for(runner, 16)
     count = len(cache.programs)
-    assert fastpath.stats(runner)["programs"] == count == len(fastpath.BUCKETS) * (1 + 2 * 4)
+    assert fastpath.stats(runner)["programs"] == count == len(fastpath.BUCKETS) * (2 + 2 * 4)
     fastpath.warm_up(cache)
     assert len(cache.programs) == count  # a second warm-up is free
-    standin = tiny_model(seed=9).runner.layers[2]
-    fastpath.warm_up(cache, [(2, standin)])
+    standins = tiny_model(seed=9).runner.layers
+    fastpath.warm_up(cache, [(standins, range(2, 4)), (None, range(0, 2))])
+    assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
+    fastpath.warm_up(cache, [(standins, range(2, 4))])
     assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
 
 

@@ -30,16 +30,17 @@ class AdmgParams(AdaptiveExitParams):
 
 
 class AcsMeter:
-    """Prefill observer: mean cosine similarity between each attention sub-layer's input and output."""
+    """Prefill observer: mean cosine similarity between each attention sub-layer's input and output, written into
+    one device tensor, so that the prompt forward's verdict read brings every layer's ACS along (`DecodeState.ride`)."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.acs = [0.0] * num_layers
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.means = torch.zeros(num_layers, device=device)
         self.before: torch.Tensor | None = None
 
     def __call__(self, k: int, h: torch.Tensor) -> None:
         if k > 0 and unit_at(k)[1] == ATTN:  # the state after a layer's attention; `before` is its input
             cos = torch.nn.functional.cosine_similarity(self.before.float(), h.float(), dim=-1)  # [1, T]
-            self.acs[unit_at(k)[0]] = float(cos.mean())
+            self.means[unit_at(k)[0]] = cos.mean().to(self.means.device)
         self.before = h
 
 
@@ -68,7 +69,8 @@ class Admg(LayerSkipDrafter):
 
     def begin(self, state: DecodeState) -> AcsMeter:
         super().begin(state)
-        self.meter = AcsMeter(self.runner.num_layers)
+        self.meter = AcsMeter(self.runner.num_layers, self.runner.device)
+        self.acs = state.ride(self.meter.means)
         return self.meter
 
     def make_exit(self) -> ExitThreshold:
@@ -77,6 +79,7 @@ class Admg(LayerSkipDrafter):
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
             return {}
-        p = self.params
-        self.plan = admg_plan(self.meter.acs, p.alpha, p.every, p.keep_last)
-        return {"acs": self.meter.acs, "skip": self.plan.to_dict()}
+        p, acs = self.params, self.acs.values
+        self.plan = admg_plan(acs, p.alpha, p.every, p.keep_last)
+        state.adopt(self.plan)
+        return {"acs": acs, "skip": self.plan.to_dict()}

@@ -19,18 +19,18 @@ to draft each step is the cost model's call (`specgui.methods.policy`), from `De
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
+from specgui import fastpath
 from specgui.costs import CostProfile
-from specgui.draft import Draft, Outcome
+from specgui.draft import Draft, Outcome, Rider
 from specgui.kvcache import KVCache
 from specgui.methods.policy import PRIOR_ALPHA, DraftPolicy
 from specgui.params import NoParams
-from specgui.runner import Observer, Runner
+from specgui.runner import Observer, Runner, SkipPlan
 from specgui.sampling import Sampling
 
 REGISTRY: dict[str, type[Drafter]] = {}
@@ -51,6 +51,28 @@ class DecodeState:
     step: int = 0
     tokenizer: Any = None  # the model's tokenizer, for drafters that prepare from text of their own (dv)
     method: str = ""  # the method decoding (whose own work `step_ms` prices)
+    static: bool = False  # the fast path's static cache (on a GPU: programs, and reads that stall the host)
+    riders: list[Rider] = field(default_factory=list)  # device values the next verdict read brings back (`ride`)
+
+    @property
+    def unread(self) -> bool:
+        """Whether drafts stay on the device until the step's one read (`specgui.draft.OnDevice`): on the fast path
+        under greedy decoding. Elsewhere a read costs nothing (the CPU is the device) and a drafter reading as it
+        goes stops at its exit without drafting past it."""
+        return self.static and self.sampling.greedy
+
+    def ride(self, values: torch.Tensor) -> Rider:
+        """Read `values` (any shape, on the device) with the next step's verdict: the returned rider's `values`
+        hold them, flattened, once `verify` has run. A tensor filled in place later (by the forward) is read as it
+        is then."""
+        rider = Rider(values)
+        self.riders.append(rider)
+        return rider
+
+    def adopt(self, plan: SkipPlan) -> None:
+        """A method takes `plan` as its draft model: on the fast path its program is made now (`fastpath.adopt`)."""
+        if self.static:
+            fastpath.adopt(self.cache, plan)
 
     @property
     def committed(self) -> int:
@@ -117,9 +139,10 @@ class Drafter:
     def begin(self, state: DecodeState) -> Observer | None:
         return None
 
-    def stand_ins(self) -> list[tuple[int, nn.Module]]:
-        """Modules this method runs in place of decoder layers, as (layer, module): Fractal's compressed
-        copies. The fast path makes their programs before timing starts, as it does the model's own."""
+    def pieces(self) -> list[fastpath.Piece]:
+        """Stretches of layers this method's forwards run as pieces, as (modules standing in for the runner's layers
+        or None, layers): Fractal's spliced forwards between its fractal layers and its compressed passes. The fast
+        path makes their programs before timing starts, as it does the whole forward's."""
         return []
 
     def sizing(self, state: DecodeState, sizes: Iterable[int]) -> DraftPolicy:

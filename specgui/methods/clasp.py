@@ -84,17 +84,18 @@ class Clasp(LayerSkipDrafter):
         found = search(self.runner, state.cache, position, self.recorder.row(row), self.units, self.budget)
         self.dp_ms = (time.perf_counter() - start) * 1000
         self.plan = plan_for(self.units, found.skipped)
+        state.adopt(self.plan)
         self.searched, self.since_dp = True, 0
         return predicted, {"reoptimized": True, "dp_score": found.score, "dp_ms": self.dp_ms}
 
     def _records(self) -> bool:
-        """Whether this step's verify records hidden states: where the next step may search, unless the policy
-        pauses for good (`Plan.hopeless`: no draft, no search follows). Recording keeps the verify forward off the
-        one-call layers (`Pass.run_layers`), whose observer-free forwards were ~5% faster (18.1 against 19.0 ms a
-        step on the held-out prompts, AMD EPYC), and a hopeless pause on this CPU lasts the whole run. Should drafting
-        resume all the same, the first search reads the states last recorded (an older token's): a poorer skip set
-        for one interval, never a wrong token."""
-        if self.sizing_plan is not None and self.sizing_plan.hopeless:
+        """Whether this step's verify records hidden states: where the next step may search and this one drafts (a
+        paused step, `since_dp` growing all the while, would record every step of the pause). Recording keeps the
+        verify forward off the one-call layers (`Pass.run_layers`), whose observer-free forwards were ~5% faster
+        (18.1 against 19.0 ms a step on the held-out prompts, AMD EPYC); on the fast path it is the forward's
+        recording variant, still one program. When drafting resumes after a pause, the first search reads the states
+        last recorded (an older token's): a poorer skip set for one interval, never a wrong token."""
+        if self.sizing_plan is not None and self.sizing_plan.size == 0:
             return False
         return not self.searched or self.since_dp + 1 >= self.params.loi
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -210,8 +211,18 @@ def _probes(space: SkipSpace, layers: int) -> list[np.ndarray]:
     return [plan(odd, odd), plan(fourth, fourth), plan(odd, set())]
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary[Runner, str] = weakref.WeakKeyDictionary()
+
+
 def fingerprint(runner: Runner) -> str:
-    """Identity of a model's weights and shape: its config and a sample of its embedding and head weights."""
+    """Identity of a model's weights and shape: its config and a sample of its embedding and head weights. Kept per
+    runner: the sample is read off the device, which every run's setup would otherwise pay."""
+    if runner not in _FINGERPRINTS:
+        _FINGERPRINTS[runner] = _fingerprint(runner)
+    return _FINGERPRINTS[runner]
+
+
+def _fingerprint(runner: Runner) -> str:
     digest = hashlib.sha256()
     config = {k: v for k, v in runner.config.to_dict().items() if not k.startswith("_")}
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
@@ -279,6 +290,7 @@ class DraftVerify(LayerSkipDrafter):
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         self.plan = self.found.plan
+        state.adopt(self.plan)
         return None
 
     def make_exit(self) -> ExitThreshold:

@@ -41,13 +41,15 @@ from the previous fractal layer's, `Splice._kept`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specgui import fastpath
 from specgui.costs import DeviceClock, beside_forward_ms, interpolate
-from specgui.draft import Draft, Extras, Outcome
+from specgui.draft import Draft, Extras, Outcome, Rider
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState, Drafter, register
@@ -117,7 +119,8 @@ class Splice:
     anchor the slots continue. `guesses[k]` holds the slot tokens set at the k-th fractal layer.
     """
 
-    def __init__(self, plan: Plan, cache: KVCache, committed: int, exact: int, anchor_position: int) -> None:
+    def __init__(self, plan: Plan, cache: KVCache, committed: int, exact: int, anchor_position: int,
+                 state: DecodeState | None = None) -> None:
         self.plan = plan
         self.cache = cache  # the decode state's: the sub-passes read it through frozen views
         self.committed = committed
@@ -127,6 +130,11 @@ class Splice:
         self.all_positions = torch.arange(committed, end)
         self.guesses: list[torch.Tensor] = []
         self.lower: tuple[int, torch.Tensor] | None = None  # the latest lower pass on a CPU: (its layers, output)
+        # `_kept` compares guesses on the host: on the eager CPU path only, where a read stalls nothing
+        self.reuse = not (state and state.static) and plan.runner.device.type == "cpu"
+        self.state = state  # where the guesses ride with the step's verdict read (`DecodeState.ride`), if given
+        self.riders: list[Rider] = []
+        self.read: list[list[int]] | None = None  # the guesses on the host, once read
         self.reused = 0  # lower passes that went on from the one before
         self.marks: list[tuple[Any, Any]] = []  # (start, end) of each compressed pass
         self.span: list[Any] = []  # marks before the first layer and after the last, for the time split
@@ -159,9 +167,11 @@ class Splice:
             self.reused += 1
         else:
             y = comp.run(lower, comp.embed(guesses.view(1, -1)), range(layer))
-        # for the next fractal layer's lower pass (`_kept`); not on a GPU, where nothing reads it
-        self.lower = (layer, lower.lasting(y)) if guesses.device.type == "cpu" else None
+        # for the next fractal layer's lower pass (`_kept`), where it is read
+        self.lower = (layer, lower.lasting(y)) if self.reuse else None
         self.guesses.append(guesses)
+        if self.state is not None:
+            self.riders.append(self.state.ride(guesses))
         self.marks.append((start, self.plan.clock.mark()))
         return torch.cat([exact, y.to(h.device)], dim=1)
 
@@ -172,8 +182,8 @@ class Splice:
         same keys: only the slots from the first changed one run there (over the kept slots' keys), then every slot
         runs the layers since. The C layers compute each row from its own input and the keys it sees, so that is the
         full pass bit for bit. On the embedded model's CPU preset the second fractal layer mostly keeps the first
-        slot. Not on a GPU (`lower` is kept on a CPU only): the comparison would stall the host in the middle of the
-        forward (a device sync) to save work whose launches are cheap there."""
+        slot. Only on the eager CPU path (`reuse`): elsewhere the comparison would stall the host in the middle of the
+        forward (on a GPU a device sync) to save work whose launches are cheap there."""
         if self.lower is None:
             return 0
         changed = (guesses != self.guesses[-1]).nonzero()
@@ -187,7 +197,17 @@ class Splice:
         return compressed, total - compressed
 
     def slot_tokens(self) -> list[list[int]]:
-        return [g.tolist() for g in self.guesses]
+        """Each fractal layer's slot guesses, from the read that brought them (a rider of the step's verdict, or the
+        own draft forward's read, `settle`)."""
+        if self.read is None:
+            self.read = ([[int(v) for v in rider.values] for rider in self.riders] if self.riders
+                         else torch.stack(self.guesses).tolist())
+        return self.read
+
+    def settle(self, values: list[float]) -> None:
+        """The guesses from a read made beside them (`Fractal._draft_forward`), in place of the riders'."""
+        w = self.plan.window
+        self.read = [[int(v) for v in values[k * w : (k + 1) * w]] for k in range(len(self.guesses))]
 
 
 def per_token_acceptance(accepted: float, drafted: int) -> float:
@@ -323,8 +343,14 @@ class Fractal(Drafter):
         return Draft(tokens=tokens, extras=extras, cost_ms=paid + passes,
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
 
-    def stand_ins(self) -> list[tuple[int, Any]]:
-        return list(enumerate(self.plan.compressed.layers))
+    def pieces(self) -> list[fastpath.Piece]:
+        """The target's stretches between hooks (`Splice.layers`), and at each fractal layer i the upper pass
+        (the copy's layers i..L-1) and the lower pass (its layers 0..i-1)."""
+        stops = sorted(set(self.plan.layers) | {0, self.runner.num_layers})
+        copies = self.plan.compressed.layers
+        return ([(None, range(a, b)) for a, b in itertools.pairwise(stops)]
+                + [(copies, range(i, self.runner.num_layers)) for i in self.plan.layers]
+                + [(copies, range(0, i)) for i in self.plan.layers if i > 0])
 
     def _passes_ms(self, state: DecodeState, rows: int) -> float:
         """The compressed passes of one spliced forward of `rows` rows at the current context. A whole pass (every
@@ -376,9 +402,9 @@ class Fractal(Drafter):
         self.policy.learn(path, self.drafted - self.exact_first, self.exhausted)
         self.carried, self.carried_origin = [], []
         splice = self.carrying
-        if splice is not None and outcome.accepted == self.drafted and outcome.extra_logits is not None:
+        if splice is not None and outcome.accepted == self.drafted and outcome.extra_tokens is not None:
             slots = splice.slot_tokens()
-            chain = consistent_chain(outcome.token, slots[-1], outcome.extra_logits.argmax(-1).tolist())
+            chain = consistent_chain(outcome.token, slots[-1], outcome.extra_tokens)
             self.carried = chain
             self.carried_origin = self._origins(chain, 2, slots)
         return self._times()
@@ -388,12 +414,17 @@ class Fractal(Drafter):
     def _draft_forward(self, state: DecodeState) -> tuple[list[int], list[int]]:
         """Own forward over [pending, slots] (the paper's draft phase); the cache is cropped back after."""
         c, w = state.committed, self.plan.window
-        splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c)
+        riders = len(state.riders)
+        splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c, state=state)
         tokens = torch.tensor([state.pending] * (1 + w))  # slots start as copies of the anchor token
         logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice)
         state.cache.crop(c)
         self.splices.append(splice)
-        best = logits.argmax(-1).tolist()  # [1 + w]: the target's own next token, then each slot's prediction
+        del state.riders[riders:]  # read here, with the forward's own verdict: the draft is needed now
+        # one read: [1 + w] the target's own next token, then each slot's prediction; then the guesses
+        values = torch.cat([logits.argmax(-1), *splice.guesses]).tolist()
+        best = values[: 1 + w]
+        splice.settle(values[1 + w :])
         slots = splice.slot_tokens()
         tokens = [best[0], *consistent_chain(best[0], slots[-1], best[1:])]
         return tokens, self._origins(tokens, 1, slots)
@@ -402,7 +433,7 @@ class Fractal(Drafter):
         """The next draft's slots, riding after `chain` in the verify forward."""
         c, w, n = state.committed, self.plan.window, len(chain)
         anchor = chain[-1] if chain else state.pending
-        self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n)
+        self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n, state=state)
         self.splices.append(self.carrying)
         visibility = torch.ones(w, 1 + n + w, dtype=torch.bool)
         visibility[:, 1 + n :] = torch.ones(w, w, dtype=torch.bool).tril()

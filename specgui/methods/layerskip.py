@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specgui.draft import Draft, Outcome
+from specgui.draft import Draft, OnDevice, Outcome
 from specgui.methods.base import DecodeState, Drafter
 from specgui.methods.policy import Plan, SizedParams
 from specgui.params import param
@@ -40,6 +40,42 @@ class Chain:
     confidences: list[float]  # top-1 probability of the draft distribution at each token
     reason: str  # "threshold", "limit" (the size drafted for), "budget" (end of the generation) or "paused"
     alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: runners-up (token, prob)
+
+
+@dataclass
+class UnreadChain:
+    """A chain drafted on the device (`DecodeState.unread`): `limit` tokens whatever their confidence, their top-1
+    probabilities, the runner-ups [k, alternatives] with theirs, and which tokens the exit threshold lets stand."""
+
+    tokens: torch.Tensor  # [k] long
+    confidences: torch.Tensor  # [k] float
+    alternatives: torch.Tensor  # [k, a] long
+    alternative_probs: torch.Tensor  # [k, a] float
+    valid: torch.Tensor  # [k] bool: every token before this one reached the threshold
+
+
+def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0
+                 ) -> UnreadChain:
+    """`draft_chain` under greedy decoding without reading the device: each token feeds the next forward where it
+    lies, and the exit is applied to the values (`valid`) instead of stopping the loop. It drafts past the exit (on a
+    GPU a one-row forward costs a replay, a read would stall the host every token); the tokens that stand are
+    those `draft_chain` drafts."""
+    runner, start = state.runner, state.committed
+    token: torch.Tensor = torch.tensor([state.pending])
+    tokens, confidences, alts, alt_probs = [], [], [], []
+    for i in range(limit):
+        probs = runner.forward(token, torch.tensor([start + i]), state.cache, skip=plan)[0].softmax(-1)
+        top = probs.topk(min(alternatives + 1, probs.numel()))
+        token = top.indices[:1]
+        tokens.append(token)
+        confidences.append(top.values[:1])
+        alts.append(top.indices[1:])
+        alt_probs.append(top.values[1:])
+    state.cache.crop(start)
+    confidences_ = torch.cat(confidences)
+    reached = (confidences_ >= threshold).long()
+    valid = torch.cat([reached.new_ones(1), reached[:-1]]).cumprod(0).bool()
+    return UnreadChain(torch.cat(tokens), confidences_, torch.stack(alts), torch.stack(alt_probs), valid)
 
 
 def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0) -> Chain:
@@ -136,6 +172,7 @@ class LayerSkipDrafter(Drafter):
         self.policy = self.sizing(state, range(1, self.params.max_draft + 1))
         self.sizing_plan: Plan | None = None  # the policy's plan of the latest step
         self.chain: Chain | None = None
+        self.unread: Draft | None = None  # the latest draft, where it was drafted unread (`DecodeState.unread`)
         return None
 
     def make_exit(self) -> ExitThreshold:
@@ -162,16 +199,36 @@ class LayerSkipDrafter(Drafter):
         self.sizing_plan = sizing
         drafting = sizing.size > 0
         prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})
+        skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
+        info = {"skip": skipped.to_dict(), "draft_len": sizing.size, "plan": sizing.to_dict(), **prepared}
+        self.chain, self.unread = None, None
+        if drafting and state.unread:  # the tokens are read with the verdict; `observe` completes the payload
+            draft = self.unread_proposal(draft_unread(state, self.plan, sizing.size, self.exit.value,
+                                                      self.alternatives))
+            draft.observer, draft.info, draft.cost_ms = self.observer(), info, sizing.size * self.token_ms(state)
+            draft.cost_ms += prepared_ms
+            self.unread = draft
+            return draft
         self.chain = (draft_chain(state, self.plan, sizing.size, self.exit.value, self.alternatives)
                       if drafting else None)
         shown = self.chain or Chain([], None, [], "paused" if depth > 0 else "budget")
-        skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
         fields = self.proposal(shown)
         confidences = fields.pop("confidences", shown.confidences)
-        info = {"skip": skipped.to_dict(), "draft_len": sizing.size, "plan": sizing.to_dict(),
-                "exit": {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}, **prepared}
+        info["exit"] = {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}
         cost = len(shown.tokens) * self.token_ms(state) + prepared_ms
         return Draft(**fields, observer=self.observer(), info=info, cost_ms=cost)
+
+    def unread_proposal(self, chain: UnreadChain) -> Draft:
+        """The fixed-shape draft an `UnreadChain` verifies as (`proposal`'s counterpart): the chain itself here."""
+        return Draft(on_device=OnDevice(chain.tokens, chain.valid, chain.confidences, list(range(len(chain.tokens)))))
+
+    def settled_chain(self, draft: Draft) -> Chain:
+        """The `Chain` a read-as-you-go draft would have made, from an unread draft the step's read settled."""
+        tokens = [draft.tokens[i] for i in draft.spine]
+        confidences = [draft.confidences[i] for i in draft.spine]
+        reason = "threshold" if confidences and confidences[-1] < self.exit.value else "limit"
+        self.exit_payload = {"threshold": self.exit.value, "confidences": draft.confidences, "reason": reason}
+        return Chain(tokens, None, confidences, reason)
 
     alternatives = 0  # runner-up tokens `draft_chain` records per position (for `proposal`)
 
@@ -189,12 +246,16 @@ class LayerSkipDrafter(Drafter):
         return None
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        payload = {}
+        if not outcome.prefill and self.unread is not None:
+            self.chain = self.settled_chain(self.unread)
+            payload["exit"] = self.exit_payload
         if not outcome.prefill and self.chain is not None:
             self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
             # sized by chain length: the path's depth counts (a tree's siblings share their chain position)
             self.policy.learn(range(len(outcome.path)), len(self.chain.tokens),
                               exhausted=self.chain.reason == "threshold")
-        return self.learn(state, outcome)
+        return {**payload, **self.learn(state, outcome)}
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         """Method-specific update after a verify (or the prefill); returns extra payload."""

@@ -138,8 +138,8 @@ class Lookahead(Drafter):
         harvested = 0
         if not outcome.prefill:
             self.policy.learn(outcome.path, self.drafted, self.exhausted)
-        if self.fed is not None and outcome.extra_logits is not None:
-            guesses = outcome.extra_logits.argmax(-1).tolist()
+        if self.fed is not None and outcome.extra_tokens is not None:
+            guesses = outcome.extra_tokens
             if len(self.fed) == 1:  # the top level is block 0, whose first row is the pending token's own
                 guesses = [outcome.emitted[0], *guesses]
             harvested = self._advance(guesses)

@@ -187,8 +187,8 @@ class SelfDraft(Drafter):
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
             self.policy.learn(outcome.path, self.verified, self.exhausted)
-        if outcome.extra_logits is not None:
-            self._advance_branches(outcome.extra_logits.argmax(-1).tolist())
+        if outcome.extra_tokens is not None:
+            self._advance_branches(outcome.extra_tokens)
         if self.params.use_context:
             self._index_text(state.tokens)
         payload: dict[str, Any] = {"cache_sizes": {"context": len(self.context),

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgui.kvcache import KVCache
-from specgui.runner import ATTN, MLP, Pass, Runner, SkipPlan, unit_index
+from specgui.kvcache import KVCache, to_device
+from specgui.runner import ATTN, MLP, Runner, SkipPlan, unit_index
 
 Unit = tuple[tuple[int, int], ...]  # the (layer, kind) sub-layers one DP decision covers, in order
 GRANULARITIES = ("layer", "sublayer")
@@ -63,6 +63,8 @@ def search(runner: Runner, cache: KVCache, position: int, hidden: torch.Tensor, 
 
     `hidden` [2 * layers + 1, H] holds the full model's states at `position` (observer order: the
     embedding, then after each sub-layer); `cache` must hold the full model's keys for [0, position).
+    Which cells keep which state is decided on the device (the shapes are known in advance): the choices are
+    read once, at the end, to trace the chosen set back (on a GPU a read per unit stalled the host 2 x units times).
     """
     allowed = set(range(len(units))) if allowed is None else set(allowed)
     budget = min(budget, len(allowed))
@@ -72,34 +74,50 @@ def search(runner: Runner, cache: KVCache, position: int, hidden: torch.Tensor, 
     for i in reversed(range(len(units))):
         ahead[i] = ahead[i + 1] + (i in allowed)
     states, first = hidden[:1], 0  # row i of g as a tensor: states[r] skipped first + r units
-    skip_choice: list[dict[int, bool]] = []
+    skip_choice: list[dict[int, torch.Tensor | bool]] = []  # per unit, per cell: whether it skips (maybe on device)
     for i, unit in enumerate(units):
         target = hidden[unit_end(unit)]
         wanted = range(max(0, budget - ahead[i + 1]), min(budget, len(allowed) - ahead[i + 1]) + 1)
         have = range(first, first + len(states))
         run_from = [j for j in wanted if j > 0 and j in have]
         skip_from = [j for j in wanted if j > 0 and j - 1 in have] if i in allowed else []
-        ran = rows.run(states[[j - first for j in run_from]], unit) if run_from else states[:0]
+        ran = rows.run(_rows(states, [j - first for j in run_from]), unit) if run_from else states[:0]
         # one pool of candidate rows: the full model's own state, the run states, the previous row
         pool = torch.cat([target[None], ran, states])
-        run_cos = dict(zip(run_from, _cos(ran, target).tolist()))
-        skip_cos = dict(zip(skip_from, _cos(states[[j - 1 - first for j in skip_from]], target).tolist()))
-        picks, choice = [], {}
+        both = [j for j in run_from if j in skip_from]  # cells with a choice, made by cosine on the device
+        skips = (_cos(_rows(pool, [1 + len(ran) + j - 1 - first for j in both]), target)
+                 > _cos(_rows(pool, [1 + run_from.index(j) for j in both]), target)) if both else None
+        picks, choice = [], {}  # per cell, the pool row it keeps (the run state where it has a choice)
         for j in wanted:
             if j == 0:
                 picks.append(0)  # nothing skipped: exactly the full model's state
                 choice[0] = False
                 continue
-            choice[j] = j not in run_cos or (j in skip_cos and skip_cos[j] > run_cos[j])
-            picks.append(1 + len(ran) + j - 1 - first if choice[j] else 1 + run_from.index(j))
-        states, first = pool[picks], wanted.start
+            choice[j] = skips[both.index(j)] if j in both else j not in run_from
+            picks.append(1 + len(ran) + j - 1 - first if choice[j] is True else 1 + run_from.index(j))
+        keep = to_device(torch.tensor(picks, dtype=torch.long), pool.device)
+        if both:
+            cells = to_device(torch.tensor([wanted.index(j) for j in both], dtype=torch.long), pool.device)
+            skipped_at = to_device(torch.tensor([1 + len(ran) + j - 1 - first for j in both]), pool.device)
+            keep = keep.index_put((cells,), torch.where(skips, skipped_at, keep[cells]))
+        states, first = pool.index_select(0, keep), wanted.start
         skip_choice.append(choice)
+    cells = [(i, j) for i, choice in enumerate(skip_choice) for j, c in choice.items() if isinstance(c, torch.Tensor)]
+    score = _cos(states[budget - first], hidden[-1]).view(1)
+    read = torch.cat([score, *(skip_choice[i][j].float().view(1) for i, j in cells)]).tolist()  # the one read
+    for (i, j), value in zip(cells, read[1:]):
+        skip_choice[i][j] = value > 0
     skipped, j = [], budget
     for i in reversed(range(len(units))):
         if j > 0 and skip_choice[i][j]:
             skipped.append(i)
             j -= 1
-    return SkipSearch(sorted(skipped), float(_cos(states[budget - first], hidden[-1])))
+    return SkipSearch(sorted(skipped), read[0])
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t`'s rows in that order, the index uploaded without stalling the host (a Python list as an index would)."""
+    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), t.device))
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -113,19 +131,20 @@ class _RowPasses:
         self.runner = runner
         self.view = cache.view(position)
         self.position = position
-        self.passes: dict[int, Pass] = {}  # one per row count, so rotary tables and masks are built once
 
     def run(self, batch: torch.Tensor, unit: Unit) -> torch.Tensor:
+        """One pass of the unit's sub-layers over the batch (on the fast path, one program)."""
         n = batch.shape[0]
-        if n not in self.passes:
-            positions = torch.full((n,), self.position, dtype=torch.long)
-            self.passes[n] = self.runner.new_pass(positions, self.view, torch.eye(n, dtype=torch.bool))
-        h = batch.unsqueeze(0)
-        for layer, kind in unit:
-            h = self.passes[n].run_unit(h, layer, kind)
+        positions = torch.full((n,), self.position, dtype=torch.long)
+        step = self.runner.new_pass(positions, self.view, torch.eye(n, dtype=torch.bool))
+        layer = unit[0][0]
+        kinds = {kind for _, kind in unit}
+        skip = SkipPlan(attn=frozenset() if ATTN in kinds else frozenset({layer}),
+                        mlp=frozenset() if MLP in kinds else frozenset({layer}))
+        h = step.run_segment(batch.unsqueeze(0), range(layer, layer + 1), skip)
         # kept across later units' passes: lasting (on the fast path `h` is a program's reused output buffer);
         # layers may sit on other devices (device_map), the DP stays on one
-        return self.passes[n].lasting(h)[0].to(batch.device)
+        return step.lasting(h)[0].to(batch.device)
 
 
 class HiddenRecorder:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specgui.kvcache import FrozenView, KVCache
+from specgui.kvcache import KVCache, to_device
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
 
 
@@ -67,7 +67,6 @@ def matchness(runner: Runner, cache: KVCache, prefix: int, tokens: list[int], pl
     if len(tokens) < 2:
         return 0, 0
     n = len(tokens) - 1
-    logits = runner.forward(torch.tensor(tokens[:-1]), torch.arange(prefix, prefix + n), FrozenView(cache, prefix),
-                            skip=plan)
-    guessed = logits.argmax(-1).cpu()
-    return int((guessed == torch.tensor(tokens[1:])).sum()), n
+    logits = runner.forward(torch.tensor(tokens[:-1]), torch.arange(prefix, prefix + n), cache.view(prefix), skip=plan)
+    right = logits.argmax(-1) == to_device(torch.tensor(tokens[1:]), logits.device)
+    return int(right.sum()), n

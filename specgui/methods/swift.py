@@ -46,11 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from specgui.draft import Outcome
+from specgui.draft import Draft, OnDevice, Outcome
 from specgui.errors import SpecGUIError
 from specgui.methods.base import DecodeState, register
 from specgui.methods.bayesopt import BayesOpt, candidate_pool
-from specgui.methods.layerskip import Chain, ExitThreshold, LayerSkipDrafter, LayerSkipParams
+from specgui.methods.layerskip import Chain, ExitThreshold, LayerSkipDrafter, LayerSkipParams, UnreadChain
 from specgui.methods.skipsearch import SkipSpace, matchness
 from specgui.params import param
 from specgui.runner import Runner
@@ -167,6 +167,7 @@ class Swift(LayerSkipDrafter):
         else:
             self.search = SwiftSearch(space, size, p)
         self.plan = space.plan(self.search.best)
+        state.adopt(self.plan)
         self.widths = parse_widths(p.candidates)
         self.alternatives = max(self.widths) - 1
         self.search_ms = 0.0
@@ -175,6 +176,22 @@ class Swift(LayerSkipDrafter):
 
     def rows(self, k: int) -> int:
         return round(k * self.width)
+
+    def unread_proposal(self, chain: UnreadChain) -> Draft:
+        """The widest tree dynamic verification can make (every chain position with all its runner-ups), each
+        sibling valid where its position's confidence allows that many (`OnDevice`): the verify carries them all."""
+        k, spare = chain.alternatives.shape
+        steps = torch.tensor(CONFIDENCE_STEPS, device=chain.confidences.device)
+        widths = torch.tensor(self.widths, device=chain.confidences.device)
+        width = widths[(chain.confidences[:, None] <= steps).sum(-1)]  # [k]
+        rank = torch.arange(spare, device=width.device)
+        tokens = torch.cat([chain.tokens[:, None], chain.alternatives], 1).view(-1)
+        valid = torch.cat([chain.valid[:, None], chain.valid[:, None] & (rank[None] < width[:, None] - 1)], 1)
+        confidences = torch.cat([chain.confidences[:, None], chain.alternative_probs], 1).view(-1)
+        spine = [i * (spare + 1) for i in range(k)]
+        parents = [spine[i - 1] if i else -1 for i in range(k) for _ in range(spare + 1)]
+        self.width = 0.8 * self.width + 0.2 * (spare + 1)
+        return Draft(parents=parents, on_device=OnDevice(tokens, valid.view(-1), confidences, spine))
 
     def make_exit(self) -> ExitThreshold:
         return ExitThreshold(self.params.exit_threshold)
@@ -220,6 +237,7 @@ class Swift(LayerSkipDrafter):
             score = right / total
             kept = search.record(x, score)
             self.plan = search.space.plan(search.best)
+            state.adopt(self.plan)
             self.search_ms = (time.perf_counter() - start) * 1000
             payload.update(search_ms=self.search_ms, proposal=search.space.plan(x).to_dict())
             payload["search"] = {"phase": "optimizing" if search.active else "done", "iteration": search.iteration,
