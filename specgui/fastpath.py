@@ -27,7 +27,8 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
         sub-layer's state recorded into the output (`StaticKVCache.forward_program`). The plain forward's
         programs are made at warm-up (`warm_up`); a skip plan's when a method adopts it (`adopt`), a bounded
         number of plans kept (`PLANS`), so that a capture is never taken inside a step that is timed;
-      - sub-layer: one attention or MLP sub-layer, for what still runs piecewise (Fractal's spliced forwards).
+      - sub-layer: one attention or MLP sub-layer, for what still runs piecewise (the cost model's per-sub-layer
+        prices, a pass whose observer or hook sits between sub-layers).
     Every program owns its output buffer, allocated before capture outside the graphs' shared memory pool: a
     replay of a program captured earlier can reuse the pool's memory of one captured later, never its output.
 
@@ -53,7 +54,7 @@ from torch import nn
 
 from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, KVCache, Layout, to_device
-from specgui.runner import ATTN, MLP, Observer, Pass, Runner, SkipPlan, sublayer, unit_index
+from specgui.runner import ATTN, MLP, Observer, Pass, Runner, SkipPlan, kept_units, sublayer, unit_index
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
@@ -520,10 +521,8 @@ class StaticPass(Pass):
             return out[:, :t]
         states = out[:, :, :t].clone()
         observer(0, states[0])
-        for layer in range(self.runner.num_layers):
-            for kind in (ATTN, MLP):
-                if skip is None or not skip.skips(layer, kind):
-                    observer(unit_index(layer, kind), states[unit_index(layer, kind)])
+        for layer, kind in kept_units(skip, range(self.runner.num_layers)):
+            observer(unit_index(layer, kind), states[unit_index(layer, kind)])
         return states[-1]
 
     def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:
@@ -549,8 +548,8 @@ class StaticPass(Pass):
     def _wrote(self, layers: range, skip: SkipPlan | None) -> None:
         """The cache's lengths after this pass ran the attention of `layers` (those `skip` leaves in)."""
         if self.writes:
-            for layer in layers:
-                if skip is None or not skip.skips(layer, ATTN):
+            for layer, kind in kept_units(skip, layers):
+                if kind == ATTN:
                     self.store.lengths[layer] = self.layouts[layer].offset + self.length
 
     def run_unit(self, h: torch.Tensor, layer: int, kind: int, module: nn.Module | None = None) -> torch.Tensor:
@@ -569,7 +568,8 @@ class StaticPass(Pass):
 
     def one_call(self, h: torch.Tensor, layers: list[int],
                  modules: Sequence[nn.Module] | None = None) -> tuple[torch.Tensor, int]:
-        """None run: a layer here is its two sub-layers' programs."""
+        """None run: a stretch of layers here is one program (`run_layers`), a layer beyond the buckets its
+        sub-layers."""
         return h, 0
 
     def lasting(self, h: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,11 @@ class SkipPlan:
         return {"attn": sorted(self.attn), "mlp": sorted(self.mlp)}
 
 
+def kept_units(skip: SkipPlan | None, layers: range) -> list[tuple[int, int]]:
+    """The sub-layers (layer, kind) of `layers` that a pass with `skip` runs, in order (all of them without a plan)."""
+    return [(layer, kind) for layer in layers for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind)]
+
+
 def unit_index(layer: int, kind: int) -> int:
     """Observer index of the hidden state after sub-layer (`layer`, `kind`); 0 is the embedding output."""
     return 2 * layer + kind + 1
@@ -179,7 +184,7 @@ class Runner:
         hooked = frozenset() if pre_layer is None else frozenset(getattr(pre_layer, "layers", range(self.num_layers)))
 
         def kinds(layer: int) -> list[int]:
-            return [kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind)]
+            return [kind for _, kind in kept_units(skip, range(layer, layer + 1))]
 
         layer = 0
         while layer < self.num_layers:
@@ -321,10 +326,8 @@ class Pass:
     def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:
         """`layers` in order on hidden states [1, T, H], `skip`'s sub-layers left out: one program on the fast path,
         the sub-layers one by one here."""
-        for layer in layers:
-            for kind in (ATTN, MLP):
-                if skip is None or not skip.skips(layer, kind):
-                    h = self.run_unit(h, layer, kind)
+        for layer, kind in kept_units(skip, layers):
+            h = self.run_unit(h, layer, kind)
         return h
 
 
