@@ -151,12 +151,14 @@ def bench(
     *,
     progress: Callable[[Entry, PromptRow], None] | None = None,
     partial: Callable[[dict[str, Any]], None] | None = None,
+    prepared: Callable[[str, float], None] | None = None,
 ) -> dict[str, Any]:
     """Run the suite; return the report (see `report_json`). `entries[0]` must be baseline.
 
     `progress` hears of every finished run, before the next starts; `partial` gets the report of the
     prompts finished so far (`"complete": false`) after each prompt, so a bench stopped part-way keeps
-    what it measured.
+    what it measured; `prepared` hears of each untimed preparation (an entry's warm-up, the logit noise, the
+    cost profile) and its seconds, so that a bench stopped before its first timed run says where the time went.
     """
     if not entries or entries[0].method != "baseline":
         raise ValueError("a bench's first entry is the baseline every speedup is measured against")
@@ -165,12 +167,26 @@ def bench(
             methods.params_for(entry.method, lm.name, lm.runner.device.type, entry.params)
     fast = fastpath.resolve(settings.fast_path, lm.runner)
     encoded = [row.encode(lm.tokenizer) for row in rows]
+    def untimed(what: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        out = fn()
+        if prepared is not None:
+            prepared(what, time.perf_counter() - started)
+        return out
+
     for entry in entries:  # warm-up, excluded (on the fast path it also captures the graphs)
-        run_method(lm, rows[0], encoded[0], entry.method, min(16, settings.max_new_tokens), settings.sampling,
-                   entry.params, settings.fast_path)
-    noise = logit_noise(lm.runner, encoded[:3], fast_path=fast)
+        untimed(f"{entry.label} warmed up", lambda entry=entry: run_method(
+            lm, rows[0], encoded[0], entry.method, min(16, settings.max_new_tokens), settings.sampling,
+            entry.params, settings.fast_path))
+    if "hf-static" in {e.method for e in entries} and lm.runner.device.type == "cuda":
+        # transformers compiles a static cache's step per cache length (prompt + new tokens) on a GPU: warmed on
+        # every prompt at the timed length, or the compile would be timed as its decoding
+        for row, ids in zip(rows, encoded):
+            untimed(f"hf-static compiled for {row.id}", lambda row=row, ids=ids: run_method(
+                lm, row, ids, "hf-static", settings.max_new_tokens, settings.sampling, None))
+    noise = untimed("logit noise", lambda: logit_noise(lm.runner, encoded[:3], fast_path=fast))
     # the saved profile if a couple of plain steps now agree with it, else measured now (`costs.profile_for`)
-    profile = costs.profile_for(lm, fast, run=decode.run)
+    profile = untimed("cost profile", lambda: costs.profile_for(lm, fast, run=decode.run))
     runs: dict[tuple[str, str], Run] = {}
     for repeat in range(settings.repeats):
         for i, (row, ids) in enumerate(zip(rows, encoded)):

@@ -114,7 +114,9 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
             buckets: Sequence[int] = BUCKETS) -> None:
     """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, its
-    recording variant and each sub-layer of every layer (what the cost model times); given `pieces`, those stretches
+    recording variant and, at one row, each sub-layer of every layer (what the cost model times: no pass runs a
+    sub-layer alone at more rows but a forward past the buckets, and a capture costs a device synchronisation and an
+    emptied allocator cache, so the 60 a bucket would be most of a cache's captures); given `pieces`, those stretches
     of layers, one program each (`Drafter.pieces`); given `plans`, those skip plans' forwards. At `buckets`.
     Captures run on inputs that touch only the scratch region, so the cache's contents stay as they are. Programs
     made before are skipped: a second call is free."""
@@ -127,9 +129,8 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             return [cache.forward_program(inputs, layers=layers, modules=modules) for modules, layers in pieces]
         return ([cache.forward_program(inputs, record=record) for record in (False, True)]
                 + [cache.program(runner.layers[layer], layer, kind, inputs)
-                   for layer in range(runner.num_layers) for kind in (ATTN, MLP)])
+                   for layer in range(runner.num_layers) for kind in (ATTN, MLP) if inputs.rows == 1])
 
-    started = time.perf_counter()
     made = 0
     with torch.inference_mode():
         for rows in buckets:
@@ -143,11 +144,9 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             for program in programs:
                 program.prepare()
                 made += 1
-    if made:
-        cache.capture_s += time.perf_counter() - started
-        if cache.graphs:
-            torch.cuda.synchronize()
-            cache.graph_bytes = torch.cuda.memory_allocated(runner.device) - cache.base_bytes
+    if made and cache.graphs:
+        torch.cuda.synchronize()
+        cache.graph_bytes = torch.cuda.memory_allocated(runner.device) - cache.base_bytes
 
 
 def adopt(cache: Cache, plan: SkipPlan) -> None:
@@ -443,7 +442,9 @@ class Program:
         """Capture now (CUDA) or mark ready (elsewhere); called once, before the first call."""
         self.ready = True
         if self.graphs:
+            started = time.perf_counter()
             self._capture()
+            self.store.capture_s += time.perf_counter() - started
 
     def __call__(self) -> torch.Tensor:
         if not self.ready:

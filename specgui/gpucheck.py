@@ -43,9 +43,9 @@ from specgui.prompts import PromptRow, load_prompts, select
 
 HELDOUT = REPO_DIR / "assets" / "heldout.jsonl"
 CATEGORY_ORDER = ("code", "summarization", "multi-turn", "qa", "rag", "math", "translation")
-SPEEDUP_TARGETS = {"pld": 1.3, "selfdraft": 1.3, "admg": 1.3, "fractal": 2.0}  # the rest: at least 1x
+SPEEDUP_TARGETS = {"pld": 1.35, "selfdraft": 1.5, "lookahead": 1.2, "admg": 1.15, "fractal": 1.15}  # the rest: 1x
 BASELINE_MS_TARGET = 8.0
-FLOOR_RATIO_TARGET = 1.5
+FLOOR_RATIO_TARGET = 1.15
 SWITCH_SLACK_BYTES = 16 * 2**20  # allocator rounding and small caches the switch may leave behind
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
@@ -301,7 +301,7 @@ def section_bench(ctx: Context) -> dict[str, Any]:
     refs = ["hf-generate", "hf-static"] if opts.cuda else ["hf-generate"]
     entries = bench.entries_for([*refs, *opts.methods])
     reports, out_rows = {}, []
-    for path in ("on", "off"):
+    for path in ("on",) if opts.cuda else ("on", "off"):  # eager on a GPU is dispatch-bound: nothing to learn
         settings = bench.Settings(max_new_tokens=opts.bench_tokens, fast_path=path)
         report = bench.bench(lm, rows, entries, settings)
         (ctx.out / f"bench-fast-{path}.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
@@ -311,7 +311,7 @@ def section_bench(ctx: Context) -> dict[str, Any]:
     return table(["method", "fast path", "ms/token", "tok/s", "speedup", "predicted", "tau", "identical"],
                  out_rows, _bench_targets(reports["on"], opts.cuda), model=lm.name, dtype=opts.dtype,
                  prompts=len(rows), new_tokens=opts.bench_tokens, reports=reports,
-                 files=["bench-fast-on.json", "bench-fast-off.json"])
+                 files=[f"bench-fast-{path}.json" for path in reports])
 
 
 # -- 5. shapes against their graph floor ---------------------------------------------------------------------
@@ -434,13 +434,13 @@ def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
 
 
 def section_syncs_launches(ctx: Context) -> dict[str, Any]:
-    """Per generated token: host syncs and launches of a baseline and a pld run on the fast path."""
+    """Per generated token: host syncs and launches of every method's run on the fast path (its own schedule)."""
     ctx.cuda_only("host syncs and kernel launches are CUDA runtime events")
     opts = ctx.opts
     lm = ctx.model(opts.bench_model, opts.dtype)
     ids = ctx.rows(1)[0].encode(lm.tokenizer)
     rows, found = [], {}
-    for method in ("baseline", "pld"):
+    for method in opts.methods:
         def go(method: str = method) -> decode.Result:
             return decode.run(lm, ids, method, max_new_tokens=opts.shape_tokens, fast_path="on")
 
@@ -450,8 +450,13 @@ def section_syncs_launches(ctx: Context) -> dict[str, Any]:
         found[method] = {"tokens": tokens, "syncs": syncs, **launches}
         rows.append([method, tokens, round(syncs / tokens, 1), round(launches["kernels"] / tokens, 1),
                      round(launches["graphs"] / tokens, 1), round(launches["copies"] / tokens, 1)])
+    worst = max(found, key=lambda m: found[m]["syncs"] / found[m]["tokens"])
+    per = found[worst]["syncs"] / found[worst]["tokens"]
     return table(["method", "tokens", "syncs/token", "kernel launches/token", "graph launches/token",
-                  "memcpy/token"], rows, runs=found, note="whole runs, prefill included")
+                  "memcpy/token"], rows,
+                 [target("host syncs per token at most 1 (set_sync_debug_mode, whole runs)",
+                         f"{per:.2f} at most ({worst})", per <= 1.0)],
+                 runs=found, note="whole runs, prefill included")
 
 
 def section_dispatch(ctx: Context) -> dict[str, Any]:

@@ -37,8 +37,8 @@ def test_static_forwards_match_model_forward(arch):
         got = torch.cat([lm.runner.forward(ids[a:b], torch.arange(a, b), cache) for a, b in chunks])
     assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
     assert cache.lengths == [82] * 4 and sorted(cache.inputs) == list(fastpath.BUCKETS)
-    # per bucket: the forward, its recording variant, every sub-layer
-    assert set(cache.programs) == made and len(made) == len(fastpath.BUCKETS) * (2 + 2 * 4)
+    # per bucket: the forward and its recording variant; at one row, every sub-layer
+    assert set(cache.programs) == made and len(made) == 2 * len(fastpath.BUCKETS) + 2 * 4
 
 
 def test_masks_pad_rows_that_see_only_themselves():
@@ -307,7 +307,8 @@ def test_warm_up_makes_every_bucket_once_and_pieces_on_demand():
     runner = tiny_model(seed=4).runner
     cache = fastpath.cache_for(runner, 16)
     count = len(cache.programs)
-    assert fastpath.stats(runner)["programs"] == count == len(fastpath.BUCKETS) * (2 + 2 * 4)
+    # per bucket the whole forward and its recording variant; each sub-layer alone at one row (what costs times)
+    assert fastpath.stats(runner)["programs"] == count == 2 * len(fastpath.BUCKETS) + 2 * 4
     fastpath.warm_up(cache)
     assert len(cache.programs) == count  # a second warm-up is free
     standins = tiny_model(seed=9).runner.layers
@@ -315,6 +316,28 @@ def test_warm_up_makes_every_bucket_once_and_pieces_on_demand():
     assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
     fastpath.warm_up(cache, [(standins, range(2, 4))])
     assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
+
+
+def test_measuring_a_profile_makes_one_cache_and_only_its_warm_up_programs():
+    """On a GPU a program costs a capture (a device synchronisation and an emptied allocator cache): measuring the
+    cost profile on the fast path once made 992 on the embedded model (a cache per context, every sub-layer at
+    every bucket), which outlasted a whole GPU check. One cache, its warm-up's programs and nothing more."""
+    from specgui import costs
+
+    lm = tiny_model(seed=6)
+    made = []
+    real = fastpath.StaticKVCache.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(self)
+        real(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath.StaticKVCache, "__init__", spy)
+        costs.measure(lm, True, run=decode.run)
+    assert len(made) == 1 and lm.runner.static_cache is made[0]
+    layers = lm.runner.num_layers
+    assert fastpath.stats(lm.runner)["programs"] == 2 * len(fastpath.BUCKETS) + 2 * layers
 
 
 def test_bitsandbytes_targets_never_get_graphs():
