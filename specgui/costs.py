@@ -141,11 +141,14 @@ class CostProfile:
         """A plain decoding step at `context`: what every method is measured against."""
         return self.verify_ms(1, context)
 
-    def skip_forward_ms(self, plan: SkipPlan, context: int) -> float:
-        """A one-token forward with `plan`'s sub-layers skipped (a layer-skip draft token)."""
+    def skip_forward_ms(self, plan: SkipPlan, context: int, head: float | None = None) -> float:
+        """A one-token forward with `plan`'s sub-layers skipped (a layer-skip draft token); its norm and head at
+        `head` ms where the draft computes part of the head only (a draft vocabulary: `specgui.vocab.head_ms`)."""
         saved = sum(self.attn[layer] for layer in plan.attn) + sum(self.mlp[layer] for layer in plan.mlp)
         full = self.forward_ms(1, context)
-        return max(self.head, full - saved * full / self.forward_ms(1, self.contexts[0]))
+        if head is None:
+            return max(self.head, full - saved * full / self.forward_ms(1, self.contexts[0]))
+        return max(head, full - saved * full / self.forward_ms(1, self.contexts[0]) - (self.head - head))
 
     # -- what steps measured against these prices (`Calibration`) ------------------------------------------------
 

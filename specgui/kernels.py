@@ -224,9 +224,20 @@ def _call(function: Callable[..., int], x: torch.Tensor, weight: torch.Tensor,
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight, bias, width = self.weight, self.bias, x.shape[-1]
+    return linear_as(self, self.weight, self.bias, x)
+
+
+def linear_as(module: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T + bias` in the form `module` takes at x's row count (`install`), for a weight cut from
+    module's own (a draft vocabulary's rows of the LM head: `specgui.vocab`): the skinny kernel sums each output
+    in an order that does not depend on how many outputs there are, so a row-prefix of the weight gives those
+    outputs bit for bit. A module never installed computes it with torch."""
+    forms = getattr(module, "row_forms", None)
+    width = x.shape[-1]
     rows = x.numel() // width
-    form = self.row_forms[min(rows, MAX_ROWS)]  # past MAX_ROWS only the row-independent form goes on (`choose`)
+    if forms is None:
+        return nn.functional.linear(x, weight, bias)
+    form = forms[min(rows, MAX_ROWS)]  # past MAX_ROWS only the row-independent form goes on (`choose`)
     if (rows > MAX_ROWS and form != "skinny") or x.dtype != weight.dtype or x.requires_grad or form == "stock":
         return nn.functional.linear(x, weight, bias)
     out = FUNCTIONS[form](weight, bias, x.reshape(rows, width))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch import nn
 from specgui import attention, cpu_layers
 from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, Layout, to_device
+
+if TYPE_CHECKING:
+    from specgui.vocab import DraftVocab
 
 ATTN, MLP = 0, 1
 
@@ -146,6 +149,7 @@ class Runner:
         logits_rows: torch.Tensor | slice | None = None,
         observer: Observer | None = None,
         pre_layer: PreLayer | None = None,
+        vocab: DraftVocab | None = None,
     ) -> torch.Tensor:
         """Run new `tokens` [T] at absolute `positions` [T] over `cache`; return float logits [R, V].
 
@@ -156,19 +160,20 @@ class Runner:
 
         A cache with `chunk_rows` (the fast path's) takes a causal forward over more tokens than that as
         consecutive chunks, each seeing the ones before through the cache: the same result, in the shapes
-        the cache has programs for. An observer then hears each state once, for all rows.
+        the cache has programs for. An observer then hears each state once, for all rows. With a draft
+        vocabulary (`specgui.vocab`) the head computes its ids' logits only, -inf elsewhere.
         """
         chunk = getattr(cache, "chunk_rows", None)
         if chunk is None or len(tokens) <= chunk or visibility is not None or pre_layer is not None:
             return self.logits(self._hidden(tokens, positions, cache, visibility, skip, observer, pre_layer),
-                               logits_rows)
+                               logits_rows, vocab)
         states: dict[int, list[torch.Tensor]] = {}
         collect = None if observer is None else (lambda k, h: states.setdefault(k, []).append(h))
         parts = [self._hidden(tokens[a : a + chunk], positions[a : a + chunk], cache, None, skip, collect,
                               None).clone() for a in range(0, len(tokens), chunk)]  # clone: outputs are reused
         for k, hs in states.items():
             observer(k, torch.cat(hs, dim=1))
-        return self.logits(torch.cat(parts, dim=1), logits_rows)
+        return self.logits(torch.cat(parts, dim=1), logits_rows, vocab)
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None,
                 skip: SkipPlan | None, observer: Observer | None, pre_layer: PreLayer | None) -> torch.Tensor:
@@ -210,13 +215,15 @@ class Runner:
         """The state one forward's sub-layers share; over the fast path's static cache, a `StaticPass`."""
         return getattr(cache, "pass_type", Pass)(self, positions, cache, visibility)
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """Final norm + LM head over the chosen rows of hidden states [1, T, H] -> float32 [R, V]."""
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None,
+               vocab: DraftVocab | None = None) -> torch.Tensor:
+        """Final norm + LM head (or a draft vocabulary's part of it) over the chosen rows of hidden states
+        [1, T, H] -> float32 [R, V]."""
         if isinstance(rows, torch.Tensor):
             rows = to_device(rows, hidden.device)
         h = hidden[0] if rows is None else hidden[0, rows]
-        h = self.norm(h.to(execution_device(self.norm)))
-        return self.lm_head(h.to(self.head_device)).float()
+        h = self.norm(h.to(execution_device(self.norm))).to(self.head_device)
+        return self.lm_head(h).float() if vocab is None else vocab.logits(h)
 
 
 class Pass:

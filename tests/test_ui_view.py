@@ -128,6 +128,12 @@ def test_exit_and_draft_length_facts():
     assert internals.draft_len == 5 and internals.ngram == 3
 
 
+def test_draft_vocabulary_fact():
+    internals = parse_internals({"vocab": {"size": 8213, "low_ids": 8192, "outside": True, "outside_so_far": 4}})
+    assert internals.vocab == (8213, 8192, True, 4) and internals.other == ()
+    assert parse_internals({"vocab": {"size": "many"}}).vocab is None
+
+
 def test_tree_verdicts_accepted_rejected_and_discarded():
     # root children 0 and 3; 0 -> 1 -> 2; 0 -> 4. Path [0, 4]: 3 and 1 were refused, 2 hung below 1.
     s = step(1, [11, 12, 13, 14, 15], [0, 4], 16, parents=[-1, 0, 1, -1, 0], corrected=False)

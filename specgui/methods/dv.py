@@ -53,6 +53,7 @@ from specgui.params import param
 from specgui.prompts import PromptRow, load_prompts
 from specgui.runner import Runner, SkipPlan
 from specgui.text import encode_prompt
+from specgui.vocab import DraftVocab, head_ms
 
 CACHE_FORMAT = "specgui-skipset"
 CALIBRATION_PROMPTS = ASSETS_DIR / "corpus" / "prompts.jsonl"  # never the benchmark suite
@@ -79,21 +80,24 @@ class Costs:
     mlp: tuple[float, ...]
     verify: tuple[float, ...]
     floor: float = 0.02
+    head_saved: float = 0.0  # what a draft vocabulary's head saves against the full head
 
     @classmethod
-    def of(cls, profile: CostProfile, context: int, max_draft: int) -> Costs:
-        """The objective's costs at `context` cached tokens, drafts of up to `max_draft` tokens."""
+    def of(cls, profile: CostProfile, context: int, max_draft: int, head: float | None = None) -> Costs:
+        """The objective's costs at `context` cached tokens, drafts of up to `max_draft` tokens, a draft's norm and
+        head at `head` ms (a draft vocabulary's; None: the profile's full head)."""
         base = profile.forward_ms(1, profile.contexts[0])  # the sub-layers were timed at this context
         plain = profile.plain_ms(context)
         verify = [max(1.0, profile.verify_ms(n, context) / plain) for n in range(1, max_draft + 2)]
         verify = [min(verify[i:]) for i in range(len(verify))]  # a longer verify never counts as cheaper
+        head = profile.head if head is None else head
         return cls(tuple(a / base for a in profile.attn), tuple(m / base for m in profile.mlp), tuple(verify),
-                   max(0.02, profile.head / base))
+                   max(0.02, head / base), (profile.head - head) / base)
 
     def draft(self, plan: SkipPlan) -> float:
         """A one-token draft forward with `plan` skipped, relative to the full forward."""
         saved = sum(self.attn[layer] for layer in plan.attn) + sum(self.mlp[layer] for layer in plan.mlp)
-        return max(self.floor, 1.0 - saved)
+        return max(self.floor, 1.0 - saved - self.head_saved)
 
 
 def predicted_speedup(alpha: float, draft_cost: float, costs: Costs) -> tuple[float, int]:
@@ -107,14 +111,17 @@ def predicted_speedup(alpha: float, draft_cost: float, costs: Costs) -> tuple[fl
 
 @dataclass
 class Sample:
-    """One calibration prompt: its cache (the full model's prompt keys) and the full model's continuation."""
+    """One calibration prompt: its cache (the full model's prompt keys), the full model's continuation and the draft
+    vocabulary candidates are scored with (the prompt's and the whole continuation's ids: what a draft late in such
+    a text would hold)."""
 
     cache: KVCache
     prefix: int
     text: list[int]
+    vocab: DraftVocab | None = None
 
 
-def calibrate(runner: Runner, tokenizer: Any, ids: list[str], tokens: int) -> list[Sample]:
+def calibrate(runner: Runner, tokenizer: Any, ids: list[str], tokens: int, draft_vocab: int = 0) -> list[Sample]:
     """Prefill each calibration prompt and let the full model write `tokens` tokens after it (greedy)."""
     rows = {row.id: row for row in load_prompts(CALIBRATION_PROMPTS)}
     missing = [i for i in ids if i not in rows]
@@ -131,7 +138,7 @@ def calibrate(runner: Runner, tokenizer: Any, ids: list[str], tokens: int) -> li
             logits = runner.forward(torch.tensor(text[-1:]), torch.tensor([len(prompt) + i]), cache)
             text.append(int(logits[-1].argmax()))
         cache.crop(len(prompt))
-        samples.append(Sample(cache, len(prompt), text))
+        samples.append(Sample(cache, len(prompt), text, DraftVocab.of(runner, draft_vocab, prompt + text)))
     return samples
 
 
@@ -175,7 +182,7 @@ def search(runner: Runner, samples: list[Sample], params: DvParams, costs: Costs
         plan = space.plan(x)
         right = total = 0
         for s in samples:
-            r, t = matchness(runner, s.cache, s.prefix, s.text, plan)
+            r, t = matchness(runner, s.cache, s.prefix, s.text, plan, s.vocab)
             right, total = right + r, total + t
         alpha = right / max(1, total)
         cost = costs.draft(plan)
@@ -236,7 +243,7 @@ def _fingerprint(runner: Runner) -> str:
 def cache_path(runner: Runner, params: DvParams) -> Path:
     """Where the skip set for this model, device type and search setting lives."""
     setting = {k: getattr(params, k) for k in ("iterations", "init_points", "calibration", "calibration_tokens",
-                                                "max_draft")}
+                                                "max_draft", "draft_vocab")}
     tag = hashlib.sha256(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:8]
     return cache_root() / "skipsets" / f"dv-{fingerprint(runner)}-{runner.device.type}-{tag}.json"
 
@@ -255,8 +262,9 @@ def load_or_search(runner: Runner, tokenizer: Any, params: DvParams,
             return found, True
         ids = [i.strip() for i in params.calibration.split(",") if i.strip()]
         with torch.inference_mode():
-            samples = calibrate(runner, tokenizer, ids, params.calibration_tokens)
-            result = search(runner, samples, params, Costs.of(profile, samples[0].prefix, params.max_draft))
+            samples = calibrate(runner, tokenizer, ids, params.calibration_tokens, params.draft_vocab)
+            head = head_ms(profile, runner, params.draft_vocab) if samples[0].vocab is not None else None
+            result = search(runner, samples, params, Costs.of(profile, samples[0].prefix, params.max_draft, head))
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"format": CACHE_FORMAT, **asdict(result)}), encoding="utf-8")
         tmp.replace(path)

@@ -14,6 +14,12 @@
 
 Sampling stays lossless because every draft token carries the distribution it was sampled from
 (`Draft.probs`, processed exactly like the target's by `specgui.sampling.probabilities`).
+
+With `draft_vocab` > 0 a draft forward computes the LM head over a draft vocabulary only (`specgui.vocab`): the
+`draft_vocab` lowest ids plus the prompt's and the output's. Its exit confidence (CLaSp's DET, Draft & Verify's
+adaptive exit, SWIFT's widths) is the top-1 probability of the subset's softmax, re-derived on the subset: a
+subset's softmax puts more on its top token than the full one does when the full vocabulary's mass outside it is
+not negligible, so a draft may run a token further than it would with the full head before it exits.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from specgui.methods.base import DecodeState, Drafter
 from specgui.methods.policy import Plan, SizedParams
 from specgui.params import param
 from specgui.runner import Observer, SkipPlan
-from specgui.sampling import probabilities
+from specgui.sampling import Sampling, probabilities
+from specgui.vocab import DraftVocab, head_ms
 
 
 @dataclass
@@ -54,8 +61,8 @@ class UnreadChain:
     valid: torch.Tensor  # [k] bool: every token before this one reached the threshold
 
 
-def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0
-                 ) -> UnreadChain:
+def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0,
+                 vocab: DraftVocab | None = None) -> UnreadChain:
     """`draft_chain` under greedy decoding without reading the device: each token feeds the next forward where it
     lies, and the exit is applied to the values (`valid`) instead of stopping the loop. It drafts past the exit (on a
     GPU a one-row forward costs a replay, a read would stall the host every token); the tokens that stand are
@@ -64,7 +71,7 @@ def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: floa
     token: torch.Tensor = torch.tensor([state.pending])
     tokens, confidences, alts, alt_probs = [], [], [], []
     for i in range(limit):
-        probs = runner.forward(token, torch.tensor([start + i]), state.cache, skip=plan)[0].softmax(-1)
+        probs = runner.forward(token, torch.tensor([start + i]), state.cache, skip=plan, vocab=vocab)[0].softmax(-1)
         top = probs.topk(min(alternatives + 1, probs.numel()))
         token = top.indices[:1]
         tokens.append(token)
@@ -78,8 +85,19 @@ def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: floa
     return UnreadChain(torch.cat(tokens), confidences_, torch.stack(alts), torch.stack(alt_probs), valid)
 
 
-def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0) -> Chain:
-    """Draft up to `limit` tokens with `plan`'s sub-layers skipped; leaves the cache as it found it.
+def draft_sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+                 ) -> tuple[int, torch.Tensor]:
+    """A sampled draft token and the distribution it was drawn from, which the draft keeps as its `probs`: the
+    same tensor, so that what the verifier divides by is what the token came from (a draft vocabulary's logits are
+    -inf outside it, so its distribution is zero there)."""
+    probs = probabilities(logits, sampling)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
+
+
+def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0,
+                vocab: DraftVocab | None = None) -> Chain:
+    """Draft up to `limit` tokens with `plan`'s sub-layers skipped (the head over `vocab` where given); leaves the
+    cache as it found it.
 
     With `alternatives` > 0, each position also records that many runner-up tokens of its draft
     distribution with their probabilities, most likely first (SWIFT's dynamic verification turns them into
@@ -92,13 +110,13 @@ def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float
     others: list[list[tuple[int, float]]] = []
     token, reason = state.pending, "limit"
     for i in range(limit):
-        logits = runner.forward(torch.tensor([token]), torch.tensor([start + i]), state.cache, skip=plan)[0]
+        logits = runner.forward(torch.tensor([token]), torch.tensor([start + i]), state.cache, skip=plan,
+                                vocab=vocab)[0]
         if sampling.greedy:
             probs = logits.softmax(-1)
             token = int(probs.argmax())
         else:
-            probs = probabilities(logits, sampling)
-            token = int(torch.multinomial(probs, 1, generator=state.generator))
+            token, probs = draft_sample(logits, sampling, state.generator)
             dists.append(probs)
         tokens.append(token)
         confidences.append(float(probs.max()))
@@ -146,6 +164,8 @@ class LayerSkipParams(SizedParams):
     """Drafting tunables every layer-skip method shares (each method adds its own)."""
 
     max_draft: int = param(low=1, high=32, help="most draft tokens per step (K); the cost model may draft fewer")
+    draft_vocab: int = param(low=0, high=1 << 20, help="ids a draft's LM head scores: the lowest this many plus the "
+                                                       "prompt's and the output's (0: the whole vocabulary)")
 
 
 @dataclass(frozen=True)
@@ -173,14 +193,19 @@ class LayerSkipDrafter(Drafter):
         self.sizing_plan: Plan | None = None  # the policy's plan of the latest step
         self.chain: Chain | None = None
         self.unread: Draft | None = None  # the latest draft, where it was drafted unread (`DecodeState.unread`)
+        self.vocab = DraftVocab.of(state.runner, self.params.draft_vocab, state.tokens)
+        self.missed = 0  # rejections whose target token lay outside the draft vocabulary
         return None
 
     def make_exit(self) -> ExitThreshold:
         raise NotImplementedError
 
     def token_ms(self, state: DecodeState) -> float:
-        """The predicted ms of one draft token (a forward with the plan skipped)."""
-        return state.profile.skip_forward_ms(self.plan, state.committed) if state.profile else 1.0
+        """The predicted ms of one draft token (a forward with the plan skipped, its head over the draft vocabulary)."""
+        if state.profile is None:
+            return 1.0
+        head = None if self.vocab is None else head_ms(state.profile, state.runner, self.vocab.size)
+        return state.profile.skip_forward_ms(self.plan, state.committed, head)
 
     def overhead_ms(self) -> float:
         """Drafting work outside the draft loop, per drafted step (CLaSp's amortized skip-set search)."""
@@ -204,12 +229,12 @@ class LayerSkipDrafter(Drafter):
         self.chain, self.unread = None, None
         if drafting and state.unread:  # the tokens are read with the verdict; `observe` completes the payload
             draft = self.unread_proposal(draft_unread(state, self.plan, sizing.size, self.exit.value,
-                                                      self.alternatives))
+                                                      self.alternatives, self.vocab))
             draft.observer, draft.info, draft.cost_ms = self.observer(), info, sizing.size * self.token_ms(state)
             draft.cost_ms += prepared_ms
             self.unread = draft
             return draft
-        self.chain = (draft_chain(state, self.plan, sizing.size, self.exit.value, self.alternatives)
+        self.chain = (draft_chain(state, self.plan, sizing.size, self.exit.value, self.alternatives, self.vocab)
                       if drafting else None)
         shown = self.chain or Chain([], None, [], "paused" if depth > 0 else "budget")
         fields = self.proposal(shown)
@@ -250,12 +275,25 @@ class LayerSkipDrafter(Drafter):
         if not outcome.prefill and self.unread is not None:
             self.chain = self.settled_chain(self.unread)
             payload["exit"] = self.exit_payload
+        if self.vocab is not None:
+            payload["vocab"] = self.vocab_payload(outcome)
         if not outcome.prefill and self.chain is not None:
             self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
             # sized by chain length: the path's depth counts (a tree's siblings share their chain position)
             self.policy.learn(range(len(outcome.path)), len(self.chain.tokens),
                               exhausted=self.chain.reason == "threshold")
         return {**payload, **self.learn(state, outcome)}
+
+    def vocab_payload(self, outcome: Outcome) -> dict[str, Any]:
+        """The draft vocabulary for the inspector: its size, whether this step's rejection was of a token outside it
+        (the draft could not have proposed what the target wrote) and how many were so far; then the emitted ids
+        join it."""
+        rejected = not outcome.prefill and self.chain is not None and outcome.accepted < len(self.chain.tokens)
+        outside = rejected and outcome.token not in self.vocab
+        self.missed += outside
+        shown = {"size": len(self.vocab), "low_ids": self.vocab.size, "outside": outside, "outside_so_far": self.missed}
+        self.vocab.add(outcome.emitted)
+        return shown
 
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         """Method-specific update after a verify (or the prefill); returns extra payload."""

@@ -22,6 +22,7 @@ import torch
 
 from specgui.kvcache import KVCache, to_device
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
+from specgui.vocab import DraftVocab
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,17 @@ class SkipSpace:
         return (rng.random((count, len(self))) < density).astype(np.uint8)
 
 
-def matchness(runner: Runner, cache: KVCache, prefix: int, tokens: list[int], plan: SkipPlan) -> tuple[int, int]:
-    """(right, total): how many of `tokens[1:]` the skipped model predicts from the text before each.
+def matchness(runner: Runner, cache: KVCache, prefix: int, tokens: list[int], plan: SkipPlan,
+              vocab: DraftVocab | None = None) -> tuple[int, int]:
+    """(right, total): how many of `tokens[1:]` the skipped model predicts from the text before each, with the head
+    its drafts use (the full one, or a draft vocabulary's part).
 
     `tokens` follow the first `prefix` cached positions; the cache is read, never grown.
     """
     if len(tokens) < 2:
         return 0, 0
     n = len(tokens) - 1
-    logits = runner.forward(torch.tensor(tokens[:-1]), torch.arange(prefix, prefix + n), cache.view(prefix), skip=plan)
+    logits = runner.forward(torch.tensor(tokens[:-1]), torch.arange(prefix, prefix + n), cache.view(prefix), skip=plan,
+                            vocab=vocab)
     right = logits.argmax(-1) == to_device(torch.tensor(tokens[1:]), logits.device)
     return int(right.sum()), n

@@ -233,7 +233,8 @@ class Swift(LayerSkipDrafter):
             start = time.perf_counter()
             x, kind = search.propose()
             window = state.tokens[state.prompt_len : state.prompt_len + p.context_window + 1]
-            right, total = matchness(self.runner, state.cache, state.prompt_len, window, search.space.plan(x))
+            right, total = matchness(self.runner, state.cache, state.prompt_len, window, search.space.plan(x),
+                                     self.vocab)
             score = right / total
             kept = search.record(x, score)
             self.plan = search.space.plan(search.best)

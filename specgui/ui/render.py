@@ -285,6 +285,10 @@ def _facts(internals: Internals) -> str:
         facts.append(("draft exit", f"{internals.exit_reason or '?'}{threshold}"))
     if internals.draft_len is not None:
         facts.append(("draft length limit", str(internals.draft_len)))
+    if internals.vocab is not None:
+        size, low, outside, so_far = internals.vocab
+        facts.append(("draft vocabulary", f"{size} ids ({low} lowest + {size - low} of the prompt and output)"))
+        facts.append(("rejected token outside it", f"{'yes' if outside else 'no'} ({so_far} in the run so far)"))
     if internals.ngram:
         facts.append(("matched n-gram", str(internals.ngram)))
     facts += [(key, f"{ms:.2f} ms") for key, ms in internals.timings]

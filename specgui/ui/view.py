@@ -34,7 +34,7 @@ KIND_HELP = {
 # Payload keys `parse_internals` understands; any other key is shown as is.
 KNOWN_KEYS = frozenset({"skip", "reoptimized", "dp_score", "acs", "exit", "draft_len", "fractal_layers", "origin",
                         "branches", "candidates", "hit", "cache_sizes", "ngram", "search", "proposal", "window",
-                        "harvested"})
+                        "harvested", "vocab"})
 # Keys a method may state once, in the Prefill payload, for the whole run (ADMG's per-prompt skip set and
 # the attention similarities it was chosen from; Fractal's insertion points; Draft & Verify's offline search).
 RUN_WIDE_KEYS = ("skip", "acs", "fractal_layers", "search")
@@ -90,6 +90,7 @@ class Internals:
     exit_threshold: float | None = None
     confidences: tuple[float, ...] = ()
     draft_len: int | None = None
+    vocab: tuple[int, int, bool, int] | None = None  # a draft vocabulary: ids, low ids, target's token outside, so far
     ngram: int | None = None
     timings: tuple[tuple[str, float], ...] = ()  # every "*_ms" key
     other: tuple[tuple[str, str], ...] = ()  # unknown keys, as short JSON
@@ -184,6 +185,9 @@ def parse_internals(payload: dict[str, Any], run_wide: dict[str, Any] | None = N
         if _is_num(exit_info.get("threshold")):
             fields["exit_threshold"] = float(exit_info["threshold"])
         fields["confidences"] = _nums(exit_info.get("confidences"))
+    vocab = p.get("vocab")
+    if isinstance(vocab, dict) and all(_is_int(vocab.get(k)) for k in ("size", "low_ids", "outside_so_far")):
+        fields["vocab"] = (vocab["size"], vocab["low_ids"], vocab.get("outside") is True, vocab["outside_so_far"])
     for key in ("draft_len", "ngram", "harvested"):
         if _is_int(p.get(key)):
             fields[key] = p[key]

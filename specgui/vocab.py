@@ -1,0 +1,105 @@
+"""A draft vocabulary: the token ids a draft forward computes logits for (FR-Spec, ACL 2025; VocabTrim).
+
+Why: on a small model the LM head is a large share of a forward's weights (SmolLM2-135M: 576 x 49152, 28.3M of
+135M), and a layer-skip draft skips layers, never the head, so the head is a larger share still of what a draft
+token costs; on a CPU a forward of a few rows is bound by reading weights, so it is that share of the draft's
+time. A draft that scores only the ids it is likely to propose reads a fraction of the head.
+
+Which ids: the `size` lowest ids, plus every id of the prompt and of the output so far. A byte-pair tokenizer
+numbers its tokens in merge order, most frequent merges first, so low ids are the common ones (for SmolLM2's
+tokenizer a row-prefix covers most of what the model writes, and the prompt's own ids most of the rest: names,
+code identifiers, numbers it will copy). The prefix of the head's weight is a view, not a copy; the few extra ids'
+rows are gathered once each, as they first appear.
+
+Only drafts use it: the verify forward keeps the full head, so greedy output is unchanged, and with sampling a
+draft samples from the subset's softmax and keeps exactly that distribution (zero outside the subset) as its
+`Draft.probs`, which is all speculative sampling asks of a draft distribution. Logits come back over the whole
+vocabulary with -inf outside the subset: argmax, softmax, top-k and the sampling filters then need no other
+change, and their values inside the subset are the subset's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from specgui import kernels
+from specgui.costs import time_ms
+from specgui.kvcache import to_device
+
+if TYPE_CHECKING:
+    from specgui.costs import CostProfile
+    from specgui.runner import Runner
+
+EXTRA_IDS = 64  # ids beyond the low ones a draft vocabulary is priced with: about what a prompt brings
+
+
+class DraftVocab:
+    """The draft vocabulary of one run: `size` low ids plus the ids seen (`add`)."""
+
+    def __init__(self, head: torch.nn.Linear, size: int, seen: Iterable[int] = ()) -> None:
+        self.head = head
+        self.vocab_size = head.weight.shape[0]
+        self.size = min(size, self.vocab_size)
+        self.extra: list[int] = []
+        self._known: set[int] = set()
+        self._rows: torch.Tensor | None = None  # the extra ids' rows of the head, gathered on demand
+        self._ids: torch.Tensor | None = None  # the extra ids on the head's device
+        self.add(seen)
+
+    @classmethod
+    def of(cls, runner: object, size: int, seen: Iterable[int]) -> DraftVocab | None:
+        """The draft vocabulary of a method's `draft_vocab` parameter: None (the full head) for 0, a size that covers
+        the whole vocabulary, or a head whose weight is not a plain tensor at hand (quantized, or offloaded by
+        accelerate, which brings it to the device only inside the module's own call)."""
+        head = runner.lm_head  # type: ignore[attr-defined]
+        plain = type(head) is torch.nn.Linear and head.weight.device.type != "meta" and not hasattr(head, "_hf_hook")
+        if size <= 0 or not plain or size >= head.weight.shape[0]:
+            return None
+        return cls(head, size, seen)
+
+    def __len__(self) -> int:
+        return self.size + len(self.extra)
+
+    def __contains__(self, token: int) -> bool:
+        return token < self.size or token in self._known
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Take the ids of new text (the prompt, emitted tokens) into the vocabulary."""
+        new = [t for t in dict.fromkeys(int(t) for t in tokens) if t >= self.size and t not in self._known]
+        if new:
+            self.extra += new
+            self._known.update(new)
+            self._rows = self._ids = None
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Float logits [R, V] of normed hidden states [R, H]: the subset's as the full head computes them (see
+        `kernels.linear_as`), -inf elsewhere."""
+        weight = self.head.weight
+        bias = self.head.bias
+        out = normed.new_full((normed.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32)
+        out[:, : self.size] = kernels.linear_as(self.head, weight[: self.size],
+                                                None if bias is None else bias[: self.size], normed).float()
+        if self.extra:
+            if self._rows is None:
+                self._ids = to_device(torch.tensor(self.extra), weight.device)
+                self._rows = weight.index_select(0, self._ids)
+            extra_bias = None if bias is None else bias.index_select(0, self._ids)
+            out[:, self._ids] = kernels.linear_as(self.head, self._rows, extra_bias, normed).float()
+        return out
+
+
+def head_ms(profile: CostProfile, runner: Runner, size: int) -> float:
+    """What the final norm and the head over a draft vocabulary of `size` low ids (and a prompt's worth of others)
+    cost on one row, the counterpart of the profile's `head`: measured once per profile and size and saved with it
+    (`CostProfile.mechanism`), so that the cost model prices the cheaper draft the policy sizes by."""
+    def measure() -> float:
+        vocab = DraftVocab(runner.lm_head, size, range(size, min(size + EXTRA_IDS, runner.lm_head.weight.shape[0])))
+        h = torch.randn(1, 1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device,
+                        generator=torch.Generator(runner.device).manual_seed(0))
+        with torch.inference_mode():
+            return time_ms(lambda: runner.logits(h, vocab=vocab), runner.device)
+
+    return profile.mechanism(f"draft-head-{size}", measure)
