@@ -29,7 +29,9 @@ import torch
 from specgui import costs, decode, fastpath, methods
 from specgui.costs import CostProfile, describe_origin
 from specgui.equality import first_divergence, logit_noise
+from specgui.errors import SpecGUIError
 from specgui.loading import LoadedModel
+from specgui.params import parse_value
 from specgui.prompts import PromptRow
 from specgui.sampling import GREEDY, Sampling
 
@@ -101,16 +103,27 @@ class Run:
 
 
 def entries_for(names: Iterable[str], params: dict[str, dict[str, Any]] | None = None) -> list[Entry]:
-    """Entries for method names (each labelled by its name, with `params[name]`); `baseline` always comes first."""
-    chosen = ["baseline"]
+    """Entries for method names (each labelled by its name, with `params[name]`); `baseline` always comes first. A
+    name may add `+KEY=VALUE` overrides (`clasp+draft_vocab=0`): a variant of the method, labelled by the whole name,
+    so that one bench compares a method with itself under another setting, in the same run."""
+    chosen: dict[str, Entry] = {"baseline": Entry("baseline", "baseline", (params or {}).get("baseline"))}
     for name in names:
         name = name.strip()
         if not name or name in chosen:
             continue
-        if name not in REFERENCES:
-            methods.get(name)  # raises with the list of known methods
-        chosen.append(name)
-    return [Entry(name, name, (params or {}).get(name)) for name in chosen]
+        method, *settings = name.split("+")
+        if method not in REFERENCES:
+            methods.get(method)  # raises with the list of known methods
+        elif settings:
+            raise SpecGUIError(f"{name!r}: transformers' references take no parameters")
+        own = dict((params or {}).get(method) or {})
+        for setting in settings:
+            key, sep, value = setting.partition("=")
+            if not sep or not key:
+                raise SpecGUIError(f"{name!r}: a variant's settings are +KEY=VALUE")
+            own[key] = parse_value(value)
+        chosen[name] = Entry(name, method, own or None)
+    return list(chosen.values())
 
 
 def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max_new: int, sampling: Sampling,

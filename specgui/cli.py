@@ -14,12 +14,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from specgui import methods
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
-from specgui.params import specs
+from specgui.params import parse_value, specs
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
 
     bench = sub.add_parser("bench", help="benchmark methods on a prompt suite")
-    bench.add_argument("--methods", default="baseline,pld")
+    bench.add_argument("--methods", default="baseline,pld", help="comma-separated; METHOD+KEY=VALUE adds a variant "
+                       "(e.g. clasp,clasp+draft_vocab=0: a method against itself under another setting)")
     bench.add_argument("--preset", default=None, help="a paper's comparison (configs/papers/): its methods and "
                        "categories, and its table beside ours (e.g. clasp-paper, selfdraft-paper, asd-paper)")
     bench.add_argument("--prompts", default="suite", help="JSONL file, or 'suite' for the built-in suite")
@@ -127,13 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="render results/*.json into README.md and docs/ between report markers")
     rep.add_argument("--check", action="store_true", help="change nothing; exit 1 if a rendered block is stale")
     return parser
-
-
-def parse_value(text: str) -> Any:
-    value = yaml.safe_load(text)
-    if not isinstance(value, (int, float, str, bool)):
-        raise SpecGUIError(f"parameter value {text!r} must be a number, true/false or a word")
-    return value
 
 
 def _overrides(items: list[str], scoped: bool) -> dict[str, Any]:

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from specgui import bench, methods
-from specgui.cli import Parser, add_model_args, load_model, parse_value
+from specgui.cli import Parser, add_model_args, load_model
 from specgui.errors import SpecGUIError
+from specgui.params import parse_value
 from specgui.prompts import PromptRow, load_prompts, select
 
 

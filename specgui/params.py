@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from specgui.errors import SpecGUIError
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -54,3 +56,12 @@ def specs(params_cls: type) -> list[dict[str, Any]]:
         {"name": f.name, "type": field_type(f), **f.metadata}
         for f in dataclasses.fields(params_cls)
     ]
+
+
+def parse_value(text: str) -> Any:
+    """A parameter value typed on a command line (`--param`, a bench entry's `+KEY=VALUE`): a number, true/false or a
+    word, read as YAML reads it."""
+    value = yaml.safe_load(text)
+    if not isinstance(value, (int, float, str, bool)):
+        raise SpecGUIError(f"parameter value {text!r} must be a number, true/false or a word")
+    return value

@@ -20,7 +20,7 @@ change, and their values inside the subset are the subset's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from specgui.costs import CostProfile
     from specgui.runner import Runner
 
+Product = Callable[[torch.Tensor], torch.Tensor]  # rows [R, H] -> some of a head's outputs [R, n]
 EXTRA_IDS = 64  # ids beyond the low ones a draft vocabulary is priced with: about what a prompt brings
 
 
@@ -45,8 +46,8 @@ class DraftVocab:
         self.size = min(size, self.vocab_size)
         self.extra: list[int] = []
         self._known: set[int] = set()
-        self._rows: torch.Tensor | None = None  # the extra ids' rows of the head, gathered on demand
         self._ids: torch.Tensor | None = None  # the extra ids on the head's device
+        self._parts: dict[int, tuple[Product, Product | None]] = {}  # per head: its low rows' and extra rows' product
         self.add(seen)
 
     @classmethod
@@ -60,6 +61,12 @@ class DraftVocab:
             return None
         return cls(head, size, seen)
 
+    @classmethod
+    def typical(cls, runner: object, size: int) -> DraftVocab | None:
+        """A draft vocabulary as a run holds one, to price it by: `size` low ids and a prompt's worth of others."""
+        vocab_size = runner.lm_head.weight.shape[0]  # type: ignore[attr-defined]
+        return cls.of(runner, size, range(size, min(size + EXTRA_IDS, vocab_size)))
+
     def __len__(self) -> int:
         return self.size + len(self.extra)
 
@@ -72,23 +79,42 @@ class DraftVocab:
         if new:
             self.extra += new
             self._known.update(new)
-            self._rows = self._ids = None
+            self._ids = None
+            self._parts.clear()
 
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Float logits [R, V] of normed hidden states [R, H]: the subset's as the full head computes them (see
+    def logits(self, normed: torch.Tensor, head: torch.nn.Module | None = None) -> torch.Tensor:
+        """Float logits [..., V] of normed hidden states [..., H] through `head` (default: the model's; Fractal's
+        compressed head shares its rows' ids): the subset's as the full head computes them (see
         `kernels.linear_as`), -inf elsewhere."""
-        weight = self.head.weight
-        bias = self.head.bias
+        head = self.head if head is None else head
+        lead = normed.shape[:-1]
+        normed = normed.reshape(-1, normed.shape[-1])
         out = normed.new_full((normed.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32)
-        out[:, : self.size] = kernels.linear_as(self.head, weight[: self.size],
-                                                None if bias is None else bias[: self.size], normed).float()
-        if self.extra:
-            if self._rows is None:
-                self._ids = to_device(torch.tensor(self.extra), weight.device)
-                self._rows = weight.index_select(0, self._ids)
-            extra_bias = None if bias is None else bias.index_select(0, self._ids)
-            out[:, self._ids] = kernels.linear_as(self.head, self._rows, extra_bias, normed).float()
-        return out
+        if id(head) not in self._parts:
+            if self.extra and self._ids is None:
+                self._ids = to_device(torch.tensor(self.extra), normed.device)
+            self._parts[id(head)] = (rows_of(head, slice(0, self.size)),
+                                     rows_of(head, self._ids) if self.extra else None)
+        low, extra = self._parts[id(head)]
+        out[:, : self.size] = low(normed).float()
+        if extra is not None:
+            out[:, self._ids] = extra(normed).float()
+        return out.view(*lead, self.vocab_size)
+
+
+def rows_of(head: torch.nn.Module, rows: slice | torch.Tensor) -> Product:
+    """The product of `head`'s outputs `rows` (a slice: views of its weights; ids: their rows gathered once) over
+    rows [R, H]. A head that can cut its own rows says how (`part`: the compressed int8 head); a plain linear goes
+    through `kernels.linear_as`; any other computes every output and keeps those (exact, nothing saved)."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[rows] if isinstance(rows, slice) else t.index_select(0, rows.to(t.device))
+
+    if hasattr(head, "part"):
+        return head.part(take)
+    if isinstance(head, torch.nn.Linear):
+        weight, bias = take(head.weight), None if head.bias is None else take(head.bias)
+        return lambda x: kernels.linear_as(head, weight, bias, x)
+    return lambda x: head(x)[:, rows]
 
 
 def head_ms(profile: CostProfile, runner: Runner, size: int) -> float:
@@ -96,7 +122,7 @@ def head_ms(profile: CostProfile, runner: Runner, size: int) -> float:
     cost on one row, the counterpart of the profile's `head`: measured once per profile and size and saved with it
     (`CostProfile.mechanism`), so that the cost model prices the cheaper draft the policy sizes by."""
     def measure() -> float:
-        vocab = DraftVocab(runner.lm_head, size, range(size, min(size + EXTRA_IDS, runner.lm_head.weight.shape[0])))
+        vocab = DraftVocab.typical(runner, size)
         h = torch.randn(1, 1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device,
                         generator=torch.Generator(runner.device).manual_seed(0))
         with torch.inference_mode():

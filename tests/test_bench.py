@@ -10,6 +10,7 @@ from helpers import tiny_model
 from specgui import bench
 from specgui.bench import Run
 from specgui.equality import first_divergence, logit_noise
+from specgui.errors import SpecGUIError
 from specgui.prompts import PromptRow
 
 ROWS = [PromptRow("r1", "copy", prompt="abcdeabcd"), PromptRow("r2", "copy", prompt="uvwxuvwx"),
@@ -109,3 +110,17 @@ def test_format_report_separates_ties_from_bugs():
     assert "m on p: first differs at token 2" in text and "a near-tie (within the logit noise)" in text
     assert "m on q: first differs at token 4" in text and "margin 3.5 -> NOT within the logit noise: a bug" in text
     assert " 1/3     1" in text  # identical and ties in their own columns
+
+
+def test_variants_compare_a_method_with_itself_in_one_bench(tiny_lm):
+    entries = bench.entries_for(["clasp+policy=fixed", "clasp+policy=fixed+draft_vocab=0"],
+                                {"clasp": {"max_draft": 3}})
+    assert [(e.label, e.method, e.params) for e in entries[1:]] == [
+        ("clasp+policy=fixed", "clasp", {"max_draft": 3, "policy": "fixed"}),
+        ("clasp+policy=fixed+draft_vocab=0", "clasp", {"max_draft": 3, "policy": "fixed", "draft_vocab": 0})]
+    report = bench.bench(tiny_lm, ROWS[:1], entries, bench.Settings(12))
+    assert list(report["methods"]) == ["baseline", "clasp+policy=fixed", "clasp+policy=fixed+draft_vocab=0"]
+    assert all(m["identical"] == 1 for m in report["methods"].values())
+    for bad in ("clasp+draft_vocab", "hf-generate+x=1", "nosuch+x=1"):
+        with pytest.raises(SpecGUIError):
+            bench.entries_for([bad])

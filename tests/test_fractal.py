@@ -116,7 +116,7 @@ def test_a_lower_pass_that_goes_on_from_the_one_before_is_the_full_pass_bit_for_
 
     def run(full: bool) -> tuple[torch.Tensor, KVCache, Splice]:
         guesses = iter(sequence)
-        monkeypatch.setattr(comp, "logits", lambda h: torch.nn.functional.one_hot(
+        monkeypatch.setattr(comp, "logits", lambda h, vocab=None: torch.nn.functional.one_hot(
             torch.tensor(next(guesses)), head(h).shape[-1]).float())
         if full:
             monkeypatch.setattr(Splice, "_kept", lambda self, g: 0)
@@ -169,6 +169,7 @@ def test_draft_forward_leaves_the_cache_holding_the_committed_prefix(tiny_lm):
     {"carry": True, "num_fractal": 1, "window": 4},
     {"carry": True, "layers": "1,3", "window": 2},
     {"carry": False, "num_fractal": 3, "window": 1, "first": 0.5},
+    {"carry": True, "num_fractal": 2, "window": 2, "draft_vocab": 16},  # slot guesses among 16 ids + the text's
 ])
 def test_greedy_identical_with_other_schedules(tiny_lm, params):
     assert_greedy_identical(tiny_lm, "fractal", PROMPTS, max_new_tokens=40, params=params)

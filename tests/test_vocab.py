@@ -6,6 +6,7 @@ import torch
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
 from specgui import costs, decode, kernels
 from specgui.methods import layerskip
+from specgui.methods.compress import Int8WeightOnlyLinear
 from specgui.runner import SkipPlan
 from specgui.sampling import probabilities
 from specgui.vocab import DraftVocab
@@ -103,3 +104,17 @@ def test_a_draft_token_is_priced_with_the_head_it_computes():
     assert profile.skip_forward_ms(plan, 128, head=2.0) == 22.0
     everything = SkipPlan(attn=frozenset(range(4)), mlp=frozenset(range(4)))
     assert profile.skip_forward_ms(everything, 128, head=2.0) == 8.0
+
+
+def test_a_compressed_heads_rows_are_its_outputs_bit_for_bit():
+    """Fractal's slot guesses read the int8 head over a draft vocabulary: its rows through the same kernel."""
+    if kernels.skinny_library() is None:
+        pytest.skip("the skinny kernel does not build here")
+    lm = tiny_model(vocab=300, hidden=64, seed=7)
+    head = Int8WeightOnlyLinear(lm.runner.lm_head)
+    vocab = DraftVocab(lm.runner.lm_head, 64, seen=[200, 150])
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    full, part = head(x).float(), vocab.logits(x, head)
+    ids = [*range(64), 200, 150]
+    assert torch.equal(part[:, ids], full[:, ids])
+    assert torch.isneginf(part[:, [64, 100, 299]]).all()

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ from torch import nn
 from specgui import cpu_layers, kernels
 from specgui.errors import SpecGUIError
 from specgui.runner import Pass, Runner, execution_device
+
+if TYPE_CHECKING:
+    from specgui.vocab import DraftVocab
 
 BACKENDS = ("auto", "torch-int8", "torch-fp16", "bnb-int8", "int8-weight-only", "fp8", "bnb-nf4")
 CUDA_BACKENDS = ("bnb-int8", "int8-weight-only", "fp8", "bnb-nf4")
@@ -128,13 +131,25 @@ class Int8WeightOnlyLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu" and x.dtype in kernels.DTYPES and kernels.skinny_library() is not None:
-            return kernels.skinny_int8(rows, self.weight, self.scale, self.bias).view(*x.shape[:-1], -1)
-        out = torch._weight_int8pack_mm(rows, self.weight, self.scale.to(x.dtype))
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], -1)
+        return _int8_product(x, self.weight, self.scale, self.bias)
+
+    def part(self, take: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The product of some of its outputs, `take` cutting them from each per-output tensor (a draft vocabulary's
+        rows of a compressed head: `specgui.vocab.rows_of`); the skinny kernel sums each output alike whatever
+        the count, so they are this module's outputs bit for bit."""
+        weight, scale, bias = take(self.weight), take(self.scale), None if self.bias is None else take(self.bias)
+        return lambda x: _int8_product(x, weight, scale, bias)
+
+
+def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if x.device.type == "cpu" and x.dtype in kernels.DTYPES and kernels.skinny_library() is not None:
+        return kernels.skinny_int8(rows, weight, scale, bias).view(*x.shape[:-1], -1)
+    out = torch._weight_int8pack_mm(rows, weight, scale.to(x.dtype))
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], -1)
 
 
 class Fp8Linear(nn.Module):
@@ -278,10 +293,11 @@ class CompressedModel:
     build_ms: float
     fused: bool = False  # every layer carries a CPU plan (`_cpu_plan`): its passes run in C where the plan runs
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + compressed LM head over hidden states [..., H] -> float32 logits [..., V]."""
-        h = self.norm(hidden.to(self.norm_device))
-        return self.lm_head(h.to(self.head_device)).float()
+    def logits(self, hidden: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
+        """Final norm + compressed LM head (over a draft vocabulary's ids where given) over hidden states [R, H]
+        -> float32 logits [R, V]."""
+        h = self.norm(hidden.to(self.norm_device)).to(self.head_device)
+        return self.lm_head(h).float() if vocab is None else vocab.logits(h, self.lm_head)
 
     def run(self, step: Pass, h: torch.Tensor, layers: range) -> torch.Tensor:
         """Run the compressed copies of `layers` on hidden states [1, T, H] within pass `step`."""

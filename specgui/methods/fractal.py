@@ -58,6 +58,7 @@ from specgui.methods.policy import SizedParams
 from specgui.params import param
 from specgui.runner import Pass, Runner
 from specgui.sampling import Sampling
+from specgui.vocab import DraftVocab
 
 # cached tokens before the rows a compressed pass is timed on (the second as far as the run's cache holds it); a
 # pass is priced between them, linearly in context and beyond. Its attention grows with the cache faster than
@@ -82,6 +83,8 @@ class FractalParams(SizedParams):
     backend: str = param(choices=BACKENDS, help="compressed copy: auto = on CUDA the cheapest measured, on a CPU "
                          "int8 weights through the skinny kernel where it builds (specgui/methods/compress.py); "
                          "torch-fp16 is a non-int8 comparison")
+    draft_vocab: int = param(low=0, high=1 << 20, help="ids the compressed head scores for the slot guesses: the "
+                             "lowest this many plus the prompt's and the output's (0: the whole vocabulary)")
 
 
 def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
@@ -120,8 +123,9 @@ class Splice:
     """
 
     def __init__(self, plan: Plan, cache: KVCache, committed: int, exact: int, anchor_position: int,
-                 state: DecodeState | None = None) -> None:
+                 state: DecodeState | None = None, vocab: DraftVocab | None = None) -> None:
         self.plan = plan
+        self.vocab = vocab  # the ids the compressed head guesses among (None: all)
         self.cache = cache  # the decode state's: the sub-passes read it through frozen views
         self.committed = committed
         self.exact = exact
@@ -152,7 +156,7 @@ class Splice:
         # upper: layers >= `layer` hold only the committed prefix so far, so every row of the forward runs
         upper = runner.new_pass(self.all_positions, self.cache.view(self.committed))
         x = comp.run(upper, h, range(layer, runner.num_layers))
-        guesses = comp.logits(x[0, self.exact - 1 : -1]).argmax(-1)  # [w]: anchor and slots 1..w-1 predict
+        guesses = comp.logits(x[0, self.exact - 1 : -1], self.vocab).argmax(-1)  # [w]: anchor, slots 1..w-1 predict
         # lower: layers < `layer` already hold the prefix and this forward's exact rows
         # the forward's own slot keys there are stale (the slots are being replaced): the pass may overwrite them
         seen = self.committed + self.exact
@@ -284,8 +288,10 @@ class Fractal(Drafter):
         room = getattr(state.cache, "capacity", None)  # the fast path's static cache: a fixed capacity
         self.pass_contexts = tuple(c if room is None else min(c, room - 2 * self.pass_rows[-1])
                                    for c in PASS_CONTEXTS)
-        self.pass_ms = [[state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}.ctx{context}",
-                                                 lambda r=rows, c=context: self._pass_ms(state, r, c))
+        k = self.params.draft_vocab if DraftVocab.of(self.runner, self.params.draft_vocab, ()) else 0
+        vocab = f".vocab{k}" if k else ""
+        self.pass_ms = [[state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}.ctx{context}{vocab}",
+                                                 lambda r=rows, c=context: self._pass_ms(state, r, c, k))
                          if state.profile else 1.0 for rows in self.pass_rows] for context in self.pass_contexts]
 
     def begin(self, state: DecodeState) -> None:
@@ -296,6 +302,7 @@ class Fractal(Drafter):
         self.sized, self.drafted, self.exhausted, self.exact_first = 0, 0, False, False
         # sizes count slot tokens: a restart's draft adds the exact token its own forward read off in front
         self.policy = self.sizing(state, range(1, self.plan.window + 1))
+        self.vocab = DraftVocab.of(self.runner, self.params.draft_vocab, state.tokens)
 
     def draft(self, state: DecodeState) -> Draft:
         """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
@@ -366,11 +373,13 @@ class Fractal(Drafter):
         layers, upper, lower = self.runner.num_layers, whole(rows), whole(self.plan.window)
         return sum(((layers - i) * upper + i * lower) / layers for i in self.plan.layers)
 
-    def _pass_ms(self, state: DecodeState, rows: int, context: int) -> float:
-        """One compressed pass (every compressed layer and the head) over `rows` rows after a `context`-token
-        prefix, on the path the run takes (over the run's own cache, still empty in `setup`, and emptied again),
-        priced as a share of a target forward over the same rows timed beside it (`costs.beside_forward_ms`)."""
+    def _pass_ms(self, state: DecodeState, rows: int, context: int, draft_vocab: int) -> float:
+        """One compressed pass (every compressed layer and the head, over a draft vocabulary of `draft_vocab` low ids
+        and a prompt's worth of others where > 0) over `rows` rows after a `context`-token prefix, on the path the
+        run takes (over the run's own cache, still empty in `setup`, and emptied again), priced as a share of a
+        target forward over the same rows timed beside it (`costs.beside_forward_ms`)."""
         runner, comp = self.runner, self.plan.compressed
+        vocab = DraftVocab.typical(runner, draft_vocab)
         prefix = torch.arange(context) % int(runner.config.vocab_size)
         positions = torch.arange(context, context + rows)
         ids = prefix[:rows].view(1, -1).to(runner.embed_device)
@@ -378,7 +387,7 @@ class Fractal(Drafter):
 
         def whole_pass() -> None:  # as a splice runs it: its own pass state (positions, rotary tables), embedding
             step = runner.new_pass(positions, view)
-            comp.logits(comp.run(step, comp.embed(ids), range(runner.num_layers))).argmax(-1)
+            comp.logits(comp.run(step, comp.embed(ids), range(runner.num_layers)), vocab).argmax(-1)
 
         with torch.inference_mode():
             runner.forward(prefix, torch.arange(context), state.cache)
@@ -388,6 +397,8 @@ class Fractal(Drafter):
         return ms
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
+        if self.vocab is not None:
+            self.vocab.add(outcome.emitted)
         if outcome.prefill:
             return {"fractal_layers": list(self.plan.layers), "backend": self.plan.compressed.backend,
                     "compress_ms": self.build_ms}
@@ -415,7 +426,7 @@ class Fractal(Drafter):
         """Own forward over [pending, slots] (the paper's draft phase); the cache is cropped back after."""
         c, w = state.committed, self.plan.window
         riders = len(state.riders)
-        splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c, state=state)
+        splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c, state=state, vocab=self.vocab)
         tokens = torch.tensor([state.pending] * (1 + w))  # slots start as copies of the anchor token
         logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice)
         state.cache.crop(c)
@@ -433,7 +444,8 @@ class Fractal(Drafter):
         """The next draft's slots, riding after `chain` in the verify forward."""
         c, w, n = state.committed, self.plan.window, len(chain)
         anchor = chain[-1] if chain else state.pending
-        self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n, state=state)
+        self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n, state=state,
+                               vocab=self.vocab)
         self.splices.append(self.carrying)
         visibility = torch.ones(w, 1 + n + w, dtype=torch.bool)
         visibility[:, 1 + n :] = torch.ones(w, w, dtype=torch.bool).tril()
