@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,9 +32,6 @@ from torch import nn
 from specgui import attention, cpu_layers
 from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, Layout, to_device
-
-if TYPE_CHECKING:
-    from specgui.vocab import DraftVocab
 
 ATTN, MLP = 0, 1
 
@@ -44,6 +41,13 @@ Observer = Callable[[int, torch.Tensor], None]
 # layer, or, where it names them in a `layers` attribute, before those only (`num_layers` among them: before the final
 # norm); the layers between run as one piece (`Pass.run_layers`).
 PreLayer = Callable[[int, torch.Tensor, "Pass"], torch.Tensor]
+
+
+class DraftHead(Protocol):
+    """The LM head over part of the vocabulary that a draft forward may end in (`specgui.vocab.DraftVocab`): float
+    logits [R, V] of final-normed states [R, H], -inf for the ids it leaves out."""
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class Runner:
         logits_rows: torch.Tensor | slice | None = None,
         observer: Observer | None = None,
         pre_layer: PreLayer | None = None,
-        vocab: DraftVocab | None = None,
+        vocab: DraftHead | None = None,
     ) -> torch.Tensor:
         """Run new `tokens` [T] at absolute `positions` [T] over `cache`; return float logits [R, V].
 
@@ -216,7 +220,7 @@ class Runner:
         return getattr(cache, "pass_type", Pass)(self, positions, cache, visibility)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice | None = None,
-               vocab: DraftVocab | None = None) -> torch.Tensor:
+               vocab: DraftHead | None = None) -> torch.Tensor:
         """Final norm + LM head (or a draft vocabulary's part of it) over the chosen rows of hidden states
         [1, T, H] -> float32 [R, V]."""
         if isinstance(rows, torch.Tensor):

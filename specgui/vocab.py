@@ -51,20 +51,20 @@ class DraftVocab:
         self.add(seen)
 
     @classmethod
-    def of(cls, runner: object, size: int, seen: Iterable[int]) -> DraftVocab | None:
+    def of(cls, runner: Runner, size: int, seen: Iterable[int]) -> DraftVocab | None:
         """The draft vocabulary of a method's `draft_vocab` parameter: None (the full head) for 0, a size that covers
         the whole vocabulary, or a head whose weight is not a plain tensor at hand (quantized, or offloaded by
         accelerate, which brings it to the device only inside the module's own call)."""
-        head = runner.lm_head  # type: ignore[attr-defined]
+        head = runner.lm_head
         plain = type(head) is torch.nn.Linear and head.weight.device.type != "meta" and not hasattr(head, "_hf_hook")
         if size <= 0 or not plain or size >= head.weight.shape[0]:
             return None
         return cls(head, size, seen)
 
     @classmethod
-    def typical(cls, runner: object, size: int) -> DraftVocab | None:
+    def typical(cls, runner: Runner, size: int) -> DraftVocab | None:
         """A draft vocabulary as a run holds one, to price it by: `size` low ids and a prompt's worth of others."""
-        vocab_size = runner.lm_head.weight.shape[0]  # type: ignore[attr-defined]
+        vocab_size = runner.lm_head.weight.shape[0]
         return cls.of(runner, size, range(size, min(size + EXTRA_IDS, vocab_size)))
 
     def __len__(self) -> int:
