@@ -300,17 +300,25 @@ def section_bench(ctx: Context) -> dict[str, Any]:
     rows = ctx.rows(opts.bench_prompts)
     refs = ["hf-generate", "hf-static"] if opts.cuda else ["hf-generate"]
     entries = bench.entries_for([*refs, *opts.methods])
-    reports, out_rows = {}, []
+    reports, out_rows, prepared = {}, [], []
+
+    def note(what: str, seconds: float) -> None:  # a section stopped by a timeout still says where its time went
+        made = fastpath.stats(lm.runner)
+        prepared.append({"what": what, "seconds": round(seconds, 2), "programs": made["programs"],
+                         "capture_s": round(made["capture_s"], 2)})
+        print(f"gpucheck bench: {what} in {seconds:.1f} s ({made['programs']} programs, {made['capture_s']:.1f} s "
+              "capturing them)", file=sys.stderr, flush=True)
+
     for path in ("on",) if opts.cuda else ("on", "off"):  # eager on a GPU is dispatch-bound: nothing to learn
         settings = bench.Settings(max_new_tokens=opts.bench_tokens, fast_path=path)
-        report = bench.bench(lm, rows, entries, settings)
+        report = bench.bench(lm, rows, entries, settings, prepared=note)
         (ctx.out / f"bench-fast-{path}.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
         (ctx.out / f"bench-fast-{path}.txt").write_text(bench.format_report(report, profile=True), encoding="utf-8")
         reports[path] = {"methods": report["methods"], "logit_noise": report["logit_noise"]}
         out_rows += [_bench_row(label, agg, path) for label, agg in report["methods"].items()]
     return table(["method", "fast path", "ms/token", "tok/s", "speedup", "predicted", "tau", "identical"],
                  out_rows, _bench_targets(reports["on"], opts.cuda), model=lm.name, dtype=opts.dtype,
-                 prompts=len(rows), new_tokens=opts.bench_tokens, reports=reports,
+                 prompts=len(rows), new_tokens=opts.bench_tokens, reports=reports, prepared=prepared,
                  files=[f"bench-fast-{path}.json" for path in reports])
 
 
