@@ -126,6 +126,12 @@ def entries_for(names: Iterable[str], params: dict[str, dict[str, Any]] | None =
     return list(chosen.values())
 
 
+def preparation_line(note: dict[str, Any]) -> str:
+    """One untimed preparation of a bench (`bench`'s `prepared`) in words."""
+    return (f"{note['what']} in {note['seconds']:.1f} s (fast path: {note['programs']} programs, "
+            f"{note['capture_s']:.1f} s capturing them)")
+
+
 def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max_new: int, sampling: Sampling,
                params: dict[str, Any] | None, fast_path: str = "auto") -> Run:
     """One run of one method on one prompt."""
@@ -164,14 +170,15 @@ def bench(
     *,
     progress: Callable[[Entry, PromptRow], None] | None = None,
     partial: Callable[[dict[str, Any]], None] | None = None,
-    prepared: Callable[[str, float], None] | None = None,
+    prepared: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the suite; return the report (see `report_json`). `entries[0]` must be baseline.
 
     `progress` hears of every finished run, before the next starts; `partial` gets the report of the
     prompts finished so far (`"complete": false`) after each prompt, so a bench stopped part-way keeps
     what it measured; `prepared` hears of each untimed preparation (an entry's warm-up, the logit noise, the
-    cost profile) and its seconds, so that a bench stopped before its first timed run says where the time went.
+    cost profile: its seconds and the fast path's programs so far, `preparation_line` says it in words), so that a
+    bench stopped before its first timed run says where the time went.
     """
     if not entries or entries[0].method != "baseline":
         raise ValueError("a bench's first entry is the baseline every speedup is measured against")
@@ -180,11 +187,14 @@ def bench(
             methods.params_for(entry.method, lm.name, lm.runner.device.type, entry.params)
     fast = fastpath.resolve(settings.fast_path, lm.runner)
     encoded = [row.encode(lm.tokenizer) for row in rows]
+
     def untimed(what: str, fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         out = fn()
         if prepared is not None:
-            prepared(what, time.perf_counter() - started)
+            made = fastpath.stats(lm.runner)
+            prepared({"what": what, "seconds": round(time.perf_counter() - started, 2), "programs": made["programs"],
+                      "capture_s": round(made["capture_s"], 2)})
         return out
 
     for entry in entries:  # warm-up, excluded (on the fast path it also captures the graphs)

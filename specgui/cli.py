@@ -193,7 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specgui import bench, fastpath, papers, results
+    from specgui import bench, papers, results
     from specgui.prompts import PromptRow, load_prompts, select
 
     sampling = _sampling(args)
@@ -221,12 +221,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             bar.set_postfix_str(f"{entry.label} on {row.id}", refresh=False)
             bar.update()
 
-        def prepared(what: str, seconds: float) -> None:
-            found = fastpath.stats(lm.runner)
-            bar.write(f"bench: {what} in {seconds:.1f} s (fast path: {found['programs']} programs, "
-                      f"{found['capture_s']:.1f} s making them)", file=sys.stderr)
-
-        report = bench.bench(lm, rows, entries, settings, progress=progress, partial=save, prepared=prepared)
+        report = bench.bench(lm, rows, entries, settings, progress=progress, partial=save,
+                             prepared=lambda note: bar.write(f"bench: {bench.preparation_line(note)}", file=sys.stderr))
     print(bench.format_report(report, profile=args.profile))
     if preset:
         headers, table = papers.table(report, preset)

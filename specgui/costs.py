@@ -146,8 +146,7 @@ class CostProfile:
         `head` ms where the draft computes part of the head only (a draft vocabulary: `specgui.vocab.head_ms`)."""
         saved = sum(self.attn[layer] for layer in plan.attn) + sum(self.mlp[layer] for layer in plan.mlp)
         full = self.forward_ms(1, context)
-        if head is None:
-            return max(self.head, full - saved * full / self.forward_ms(1, self.contexts[0]))
+        head = self.head if head is None else head
         return max(head, full - saved * full / self.forward_ms(1, self.contexts[0]) - (self.head - head))
 
     # -- what steps measured against these prices (`Calibration`) ------------------------------------------------

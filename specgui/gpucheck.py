@@ -302,12 +302,9 @@ def section_bench(ctx: Context) -> dict[str, Any]:
     entries = bench.entries_for([*refs, *opts.methods])
     reports, out_rows, prepared = {}, [], []
 
-    def note(what: str, seconds: float) -> None:  # a section stopped by a timeout still says where its time went
-        made = fastpath.stats(lm.runner)
-        prepared.append({"what": what, "seconds": round(seconds, 2), "programs": made["programs"],
-                         "capture_s": round(made["capture_s"], 2)})
-        print(f"gpucheck bench: {what} in {seconds:.1f} s ({made['programs']} programs, {made['capture_s']:.1f} s "
-              "capturing them)", file=sys.stderr, flush=True)
+    def note(found: dict[str, Any]) -> None:  # a section stopped by a timeout still says where its time went
+        prepared.append(found)
+        print(f"gpucheck bench: {bench.preparation_line(found)}", file=sys.stderr, flush=True)
 
     for path in ("on",) if opts.cuda else ("on", "off"):  # eager on a GPU is dispatch-bound: nothing to learn
         settings = bench.Settings(max_new_tokens=opts.bench_tokens, fast_path=path)

@@ -124,3 +124,11 @@ def test_variants_compare_a_method_with_itself_in_one_bench(tiny_lm):
     for bad in ("clasp+draft_vocab", "hf-generate+x=1", "nosuch+x=1"):
         with pytest.raises(SpecGUIError):
             bench.entries_for([bad])
+
+
+def test_untimed_preparations_are_reported_before_the_first_timed_run(tiny_lm):
+    notes = []
+    bench.bench(tiny_lm, ROWS[:1], bench.entries_for(["pld"]), bench.Settings(8), prepared=notes.append)
+    assert [n["what"] for n in notes] == ["baseline warmed up", "pld warmed up", "logit noise", "cost profile"]
+    assert all(n["seconds"] >= 0 and n["programs"] >= 0 for n in notes)
+    assert bench.preparation_line(notes[0]).startswith("baseline warmed up in ")

@@ -288,10 +288,10 @@ class Fractal(Drafter):
         room = getattr(state.cache, "capacity", None)  # the fast path's static cache: a fixed capacity
         self.pass_contexts = tuple(c if room is None else min(c, room - 2 * self.pass_rows[-1])
                                    for c in PASS_CONTEXTS)
-        k = self.params.draft_vocab if DraftVocab.of(self.runner, self.params.draft_vocab, ()) else 0
-        vocab = f".vocab{k}" if k else ""
+        priced = DraftVocab.typical(self.runner, self.params.draft_vocab)  # None: the whole head
+        vocab = f".vocab{priced.size}" if priced else ""
         self.pass_ms = [[state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}.ctx{context}{vocab}",
-                                                 lambda r=rows, c=context: self._pass_ms(state, r, c, k))
+                                                 lambda r=rows, c=context: self._pass_ms(state, r, c, priced))
                          if state.profile else 1.0 for rows in self.pass_rows] for context in self.pass_contexts]
 
     def begin(self, state: DecodeState) -> None:
@@ -373,13 +373,12 @@ class Fractal(Drafter):
         layers, upper, lower = self.runner.num_layers, whole(rows), whole(self.plan.window)
         return sum(((layers - i) * upper + i * lower) / layers for i in self.plan.layers)
 
-    def _pass_ms(self, state: DecodeState, rows: int, context: int, draft_vocab: int) -> float:
-        """One compressed pass (every compressed layer and the head, over a draft vocabulary of `draft_vocab` low ids
-        and a prompt's worth of others where > 0) over `rows` rows after a `context`-token prefix, on the path the
-        run takes (over the run's own cache, still empty in `setup`, and emptied again), priced as a share of a
-        target forward over the same rows timed beside it (`costs.beside_forward_ms`)."""
+    def _pass_ms(self, state: DecodeState, rows: int, context: int, vocab: DraftVocab | None) -> float:
+        """One compressed pass (every compressed layer and the head, over `vocab`'s ids where given) over `rows` rows
+        after a `context`-token prefix, on the path the run takes (over the run's own cache, still empty in `setup`,
+        and emptied again), priced as a share of a target forward over the same rows timed beside it
+        (`costs.beside_forward_ms`)."""
         runner, comp = self.runner, self.plan.compressed
-        vocab = DraftVocab.typical(runner, draft_vocab)
         prefix = torch.arange(context) % int(runner.config.vocab_size)
         positions = torch.arange(context, context + rows)
         ids = prefix[:rows].view(1, -1).to(runner.embed_device)
