@@ -137,6 +137,38 @@ def test_a_lower_pass_that_goes_on_from_the_one_before_is_the_full_pass_bit_for_
             assert torch.equal(mine[layer][..., : c + 5, :], want[layer][..., : c + 5, :])
 
 
+def test_slots_whose_guesses_match_the_tokens_they_start_from_keep_the_targets_own_states(tiny_lm, monkeypatch):
+    """Slots that start from tokens (`held`) the fractal layers go on guessing are never run through the copy: their
+    rows come out as a plain forward over those tokens computes them; from the first slot guessed otherwise, the
+    copy's lower pass replaces the rows as before."""
+    runner = tiny_lm.runner
+    prompt, exact, held = torch.tensor(PROMPTS[0]), [9, 10], [4, 5, 6]
+    c, rows = len(prompt), len(exact) + len(held)
+
+    def run(layers: str, sequence: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, Splice]:
+        drafter = methods.create("fractal", runner, "tiny", GREEDY, {"layers": layers, "window": 3})
+        comp = drafter.plan.compressed
+        head = comp.logits
+        guesses = iter(sequence)
+        monkeypatch.setattr(comp, "logits", lambda h, vocab=None: torch.nn.functional.one_hot(
+            torch.tensor(next(guesses)), head(h).shape[-1]).float())
+        cache = KVCache()
+        block = torch.tensor(exact + held)
+        with torch.inference_mode():
+            runner.forward(prompt, torch.arange(c), cache)
+            plain = runner.forward(block, torch.arange(c, c + rows), FrozenView(cache, c))
+            splice = Splice(drafter.plan, cache, c, exact=len(exact), anchor_position=c + 1, held=held)
+            out = runner.forward(block, torch.arange(c, c + rows), cache, pre_layer=splice)
+        monkeypatch.undo()
+        return out, plain, splice
+
+    out, plain, splice = run("1,2", [held, held])
+    assert splice.reused == 2 and torch.allclose(out, plain, atol=1e-6)
+    out, plain, splice = run("2", [[4, 7, 8]])  # the first slot kept, the others guessed anew
+    assert torch.allclose(out[:3], plain[:3], atol=1e-6)
+    assert not torch.allclose(out[3:], plain[3:], atol=1e-3)
+
+
 def test_a_deep_fractal_layers_pass_is_priced_by_the_rows_each_part_runs(tiny_lm):
     """Layer i's pass runs the forward's rows through the copy's layers i..L-1 and the slots through 0..i-1: of a
     4-layer model, layer 0's pass costs a whole pass over the rows, layer 2's half of one over the rows and half of
@@ -204,6 +236,7 @@ def test_payload_names_layers_origins_and_the_time_split(tiny_lm, carry):
         assert spliced == ("cost_ratio" in payload)
         if spliced:
             assert payload["compressed_ms"] > 0 and payload["target_ms"] > 0 and payload["cost_ratio"] > 0
+            assert 0 <= payload["slots_started_right"] <= 2 * payload["lower_reused"] + 2
     assert sources == ({"carried", "draft forward"} if carry else {"draft forward"})
 
 
@@ -314,6 +347,8 @@ def test_carried_slots_supply_most_drafts_on_the_embedded_model(embedded_lm, sui
                         params={"carry": True, "num_fractal": 2, "window": 2, "policy": "fixed"})
     sources = [s.payload.get("source") for s in result.steps if s.drafted]
     assert sources.count("carried") > len(sources) / 2, sources
+    # slots start from what the text continues with where it repeats (`Fractal._held`): some of them right
+    assert sum(s.payload.get("slots_started_right", 0) for s in result.steps) > 0
 
 
 def test_bitsandbytes_int8_path_is_lossless_on_cpu(tiny_lm):
