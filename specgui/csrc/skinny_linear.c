@@ -55,7 +55,8 @@ static inline float hsum8(__m256 v) {
 #ifdef __AVX512F__
 typedef __m512 vec;
 #define LANES 16
-#define REGISTERS 32
+/* whether an M x R tile holds each weight vector in a register (see `TILE`): where all of them fit */
+#define PINNED(M, R) ((M) > 1 && (R) * ((M) + 1) + 1 <= 32)
 #define vzero _mm512_setzero_ps
 #define vfma _mm512_fmadd_ps
 #define vload _mm512_loadu_ps
@@ -105,7 +106,7 @@ static inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_N
 #else
 typedef __m256 vec;
 #define LANES 8
-#define REGISTERS 16
+#define PINNED(M, R) 0 /* measured slower at 2 rows with AVX2 (see `TILE`) */
 #define vzero _mm256_setzero_ps
 #define vfma _mm256_fmadd_ps
 #define vload _mm256_loadu_ps
@@ -187,7 +188,8 @@ static inline float one_load_bf16(unsigned short w) {
    3-row tile's weight loads into its multiply-adds (three loads of each weight vector a step), and on an AMD EPYC (two
    threads, builds alternating in one process, the embedded model at a 150-token context, five runs) a 3-row forward
    cost 15.0-16.6 ms against 13.1-14.5 with one load each; other row counts as before. One row keeps the folded load
-   (each weight meets one multiply-add). */
+   (each weight meets one multiply-add), and so does the AVX2 build (`PINNED`), where the held weights made a 2-row
+   forward slower on the same machine (15.1-15.7 ms against 16.2-16.5). */
 #define TILE(T, LOAD, M, R)                                                                              \
     static void tile_##LOAD##_##M##_##R(const float *x, const T *w, float *y, long K, long ldy, long kv) { \
         vec acc[R][M];                                                                                   \
@@ -198,7 +200,7 @@ static inline float one_load_bf16(unsigned short w) {
             for (int r = 0; r < R; r++) {                                                                \
                 _mm_prefetch((const char *)(w + (r + 2 * R) * K + k), _MM_HINT_T1);                       \
                 wv[r] = LOAD(w + r * K + k);                                                             \
-                if (M > 1 && R * (M + 1) + 1 <= REGISTERS) __asm__("" : "+v"(wv[r])); /* see above */     \
+                if (PINNED(M, R)) __asm__("" : "+v"(wv[r])); /* see above the macro */                      \
             }                                                                                            \
             for (int m = 0; m < M; m++) {                                                                \
                 vec xv = vload(x + m * K + k);                                                           \
