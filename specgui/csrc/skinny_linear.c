@@ -219,48 +219,44 @@ static inline float one_load_bf16(unsigned short w) {
 /* Per input-row count M (1..CHUNK), the widest tile whose R x M accumulators, R weight vectors and one input
    vector fit the registers (R dividing BLOCK): WIDE_* names them, NARROW_* the one-weight-row tiles for a block's
    leftover rows. AVX-512 has 32 registers: 8 rows x 3 weight rows take 28 of them, where AVX2's 16 allow 8 x 1,
-   which loads an input vector for every multiply-add. One row streams one weight row at a time: on an AMD EPYC (two
-   threads, builds alternating in one process) a one-row forward of the embedded model took 13.9-14.5 ms with 8
-   weight rows a tile and 12.4-13.0 with one (AVX2 build: 10.8-11.0 and 9.5), plain decoding of 7 held-out prompts
-   x 48 tokens 7.6-8.3 s and 7.4-7.6; at 2 rows one weight row a tile was slower (13.1-13.4 against 11.8-12.1).
-   bf16 weights alike (every product of a forward at one row: 4.1 against 3.5-3.6 ms), but int8 weights, widened in
-   registers, went the other way (1.9-2.0 against 2.7 ms): their one-row tile (`ONE`) keeps 8 weight rows. */
+   which loads an input vector for every multiply-add. */
 #ifdef __AVX512F__
-#define WIDE_TILES(T, LOAD, ONE)                                                                                 \
-    TILE(T, LOAD, 2, 8) TILE(T, LOAD, 3, 6) TILE(T, LOAD, 4, 6) TILE(T, LOAD, 5, 4)                              \
+#define WIDE_TILES(T, LOAD)                                                                                      \
+    TILE(T, LOAD, 1, 8) TILE(T, LOAD, 2, 8) TILE(T, LOAD, 3, 6) TILE(T, LOAD, 4, 6) TILE(T, LOAD, 5, 4)          \
     TILE(T, LOAD, 6, 4) TILE(T, LOAD, 7, 3) TILE(T, LOAD, 8, 3) TILE(T, LOAD, 9, 3) TILE(T, LOAD, 10, 2)         \
     TILE(T, LOAD, 11, 2) TILE(T, LOAD, 12, 2)                                                                    \
     static const tile_##LOAD WIDE_##LOAD[CHUNK + 1] = {                                                          \
-        0, tile_##LOAD##_1_##ONE, tile_##LOAD##_2_8, tile_##LOAD##_3_6, tile_##LOAD##_4_6, tile_##LOAD##_5_4,    \
+        0, tile_##LOAD##_1_8, tile_##LOAD##_2_8, tile_##LOAD##_3_6, tile_##LOAD##_4_6, tile_##LOAD##_5_4,        \
         tile_##LOAD##_6_4, tile_##LOAD##_7_3, tile_##LOAD##_8_3, tile_##LOAD##_9_3, tile_##LOAD##_10_2,         \
-        tile_##LOAD##_11_2, tile_##LOAD##_12_2};                                                                 \
-    static const int WIDTH_##LOAD[CHUNK + 1] = {0, ONE, 8, 6, 6, 4, 4, 3, 3, 3, 2, 2, 2};
+        tile_##LOAD##_11_2, tile_##LOAD##_12_2};
+static const int WIDTH[CHUNK + 1] = {0, 8, 8, 6, 6, 4, 4, 3, 3, 3, 2, 2, 2};
 #else
-#define WIDE_TILES(T, LOAD, ONE)                                                                                 \
-    TILE(T, LOAD, 2, 4) TILE(T, LOAD, 3, 3) TILE(T, LOAD, 4, 3) TILE(T, LOAD, 5, 2)                              \
+#define WIDE_TILES(T, LOAD)                                                                                      \
+    TILE(T, LOAD, 1, 8) TILE(T, LOAD, 2, 4) TILE(T, LOAD, 3, 3) TILE(T, LOAD, 4, 3) TILE(T, LOAD, 5, 2)          \
     TILE(T, LOAD, 6, 2)                                                                                          \
     static const tile_##LOAD WIDE_##LOAD[CHUNK + 1] = {                                                          \
-        0, tile_##LOAD##_1_##ONE, tile_##LOAD##_2_4, tile_##LOAD##_3_3, tile_##LOAD##_4_3, tile_##LOAD##_5_2,    \
+        0, tile_##LOAD##_1_8, tile_##LOAD##_2_4, tile_##LOAD##_3_3, tile_##LOAD##_4_3, tile_##LOAD##_5_2,        \
         tile_##LOAD##_6_2, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
-        tile_##LOAD##_11_1, tile_##LOAD##_12_1};                                                                 \
-    static const int WIDTH_##LOAD[CHUNK + 1] = {0, ONE, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
+        tile_##LOAD##_11_1, tile_##LOAD##_12_1};
+static const int WIDTH[CHUNK + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
 #endif
 
-#define KERNELS(T, LOAD, ONE)                                                                                       \
+#define KERNELS(T, LOAD)                                                                                         \
     TILE(T, LOAD, 1, 1) TILE(T, LOAD, 2, 1) TILE(T, LOAD, 3, 1) TILE(T, LOAD, 4, 1) TILE(T, LOAD, 5, 1)          \
     TILE(T, LOAD, 6, 1) TILE(T, LOAD, 7, 1) TILE(T, LOAD, 8, 1) TILE(T, LOAD, 9, 1) TILE(T, LOAD, 10, 1)         \
     TILE(T, LOAD, 11, 1) TILE(T, LOAD, 12, 1)                                                                    \
     typedef void (*tile_##LOAD)(const float *, const T *, float *, long, long, long);                          \
-    WIDE_TILES(T, LOAD, ONE)                                                                                    \
+    WIDE_TILES(T, LOAD)                                                                                          \
     static const tile_##LOAD NARROW_##LOAD[CHUNK + 1] = {                                                        \
         0, tile_##LOAD##_1_1, tile_##LOAD##_2_1, tile_##LOAD##_3_1, tile_##LOAD##_4_1, tile_##LOAD##_5_1,        \
         tile_##LOAD##_6_1, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
         tile_##LOAD##_11_1, tile_##LOAD##_12_1};                                                                 \
     /* Rows [n0, n1) of the output for all M input rows, in the fewest passes of at most CHUNK input rows, as   \
        even as they go: 13 rows as 7 + 6, not 12 + 1 (all the products of a forward, AMD EPYC, two threads: 35.8 ms\
-       as 12 + 1, 32.8 as 7 + 6, 31.5 for 12 rows). */                                                         \
+       as 12 + 1, 32.8 as 7 + 6, 31.5 for 12 rows); a pass of `narrow` input rows or fewer in one-weight-row tiles \
+       (`narrow_rows`). */                                                                                     \
     static void block_##LOAD(const float *x, const T *w, float *y, long M, long K, long ldy, long n0, long n1,     \
-                              int stream) {                                                               \
+                              int narrow) {                                                                     \
         long kv = K - K % LANES;                                                                                 \
         long passes = (M + CHUNK - 1) / CHUNK, chunk = (M + passes - 1) / passes;                                \
         for (long m0 = 0; m0 < M; m0 += chunk) {                                                                 \
@@ -268,26 +264,14 @@ static inline float one_load_bf16(unsigned short w) {
             const float *xm = x + m0 * K;                                                                        \
             float *ym = y + m0 * ldy;                                                                            \
             long n = n0;                                                                                         \
-            int wide = !(stream && m <= STREAM_ROWS);                                                    \
-            for (; wide && n + WIDTH_##LOAD[m] <= n1; n += WIDTH_##LOAD[m]) WIDE_##LOAD[m](xm, w + n * K, ym + n, K, ldy, kv);\
+            for (; m > narrow && n + WIDTH[m] <= n1; n += WIDTH[m]) WIDE_##LOAD[m](xm, w + n * K, ym + n, K, ldy, kv);\
             for (; n < n1; n++) NARROW_##LOAD[m](xm, w + n * K, ym + n, K, ldy, kv);                            \
         }                                                                                                        \
     }
 
-/* A weight of at least STREAM_WEIGHTS elements (in practice the LM head: SmolLM2's 28M, a layer's largest 0.9M) streams
-   one weight row a tile up to STREAM_ROWS input rows, fp32 and bf16 weights: the head alone (AMD EPYC, two threads,
-   builds alternating in one process) 1.80 -> 1.48 ms at 2 rows, 2.07 -> 1.68 at 3, 2.11 -> 1.94 at 4; whole forwards
-   of 2-4 rows 1-4% faster in both of the machine's speed phases, where every product so (all weights) made 3- and
-   4-row forwards 20-40% slower. */
-#define STREAM_WEIGHTS (8L << 20)
-#define STREAM_ROWS 4
-
-/* One row streams one weight row a tile where its weights are floats (fp32, bf16) and eight where they are int8
-   (`WIDE_TILES`). */
-KERNELS(float, load_f32, 1)
-TILE(signed char, load_i8, 1, 8)
-KERNELS(signed char, load_i8, 8)
-KERNELS(unsigned short, load_bf16, 1)
+KERNELS(float, load_f32)
+KERNELS(signed char, load_i8)
+KERNELS(unsigned short, load_bf16)
 
 /* Blocks of 24, 48 or 96 weight rows (every tile width divides them): the largest that still gives each thread
    four blocks, so that a 192-row projection splits evenly over two threads. */
@@ -308,22 +292,41 @@ static void finish(float *y, const float *scale, const float *bias, long M, long
 
 enum weights { F32, I8, BF16 };
 
+/* Input rows up to which a product streams one weight row a tile (`block_*`), where the tile tables would hold several
+   (AMD EPYC, two threads, builds alternating in one process):
+   * one row of fp32 or bf16 weights: a one-row forward of the embedded model 13.9-14.5 ms with 8 weight rows a tile,
+     12.4-13.0 with one (AVX2 build: 10.8-11.0 and 9.5), plain decoding of 7 held-out prompts x 48 tokens 7.6-8.3 s
+     and 7.4-7.6, every bf16 product of a forward 4.1 against 3.5-3.6 ms; at 2 rows one weight row a tile was slower
+     (a forward 13.1-13.4 against 11.8-12.1 ms);
+   * up to STREAM_ROWS rows of a weight of at least STREAM_WEIGHTS elements (in practice the LM head: SmolLM2's 28M, a
+     layer's largest 0.9M): the head alone 1.80 -> 1.48 ms at 2 rows, 2.07 -> 1.68 at 3, 2.11 -> 1.94 at 4, whole
+     forwards of 2-4 rows 1-4% faster in both of the machine's speed phases, where every weight so made 3- and 4-row
+     forwards 20-40% slower;
+   * int8 weights, widened in registers, none: one weight row a tile made their one-row products slower (2.7 ms
+     against 1.9-2.0). */
+#define STREAM_WEIGHTS (8L << 20)
+#define STREAM_ROWS 4
+static int narrow_rows(enum weights type, long N, long K) {
+    if (type == I8) return 0;
+    return N * K >= STREAM_WEIGHTS ? STREAM_ROWS : 1;
+}
+
 /* y = x w^T for M input rows and N weight rows (y's rows ldy apart), over blocks of weight rows spread across
    threads, then scales and bias. */
 static int run(enum weights type, const float *x, const void *w, const float *scale, const float *bias, float *y,
                long M, long K, long N, long ldy, int threads) {
     if (M < 1 || K < 1 || N < 1) return -1;
     long size = block_rows(N, threads), blocks = (N + size - 1) / size;
-    int stream = type != I8 && N * K >= STREAM_WEIGHTS;
+    int narrow = narrow_rows(type, N, K);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
         long n0 = b * size, n1 = n0 + size < N ? n0 + size : N;
         if (type == I8)
-            block_load_i8(x, w, y, M, K, ldy, n0, n1, stream);
+            block_load_i8(x, w, y, M, K, ldy, n0, n1, narrow);
         else if (type == BF16)
-            block_load_bf16(x, w, y, M, K, ldy, n0, n1, stream);
+            block_load_bf16(x, w, y, M, K, ldy, n0, n1, narrow);
         else
-            block_load_f32(x, w, y, M, K, ldy, n0, n1, stream);
+            block_load_f32(x, w, y, M, K, ldy, n0, n1, narrow);
         finish(y, scale, bias, M, ldy, n0, n1);
     }
     return 0;
