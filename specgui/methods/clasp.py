@@ -48,6 +48,7 @@ class Clasp(LayerSkipDrafter):
     Params = ClaspParams
 
     def setup(self, state: DecodeState) -> None:
+        super().setup(state)
         self.units = make_units(self.runner.num_layers, self.params.granularity)
         self.budget = max(1, min(len(self.units) - 1, round(self.params.skip_fraction * len(self.units))))
         key = f"clasp.search.{self.params.granularity}.{self.budget}"

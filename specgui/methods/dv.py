@@ -291,6 +291,7 @@ class DraftVerify(LayerSkipDrafter):
     Params = DvParams
 
     def setup(self, state: DecodeState) -> None:
+        super().setup(state)
         if state.profile is None:
             raise SpecGUIError("dv prices its skip-set search with the model's cost profile; none is at hand")
         self.found, self.cached = load_or_search(self.runner, state.tokenizer, self.params, state.profile)

@@ -186,6 +186,12 @@ def adaptive_exit(params: AdaptiveExitParams) -> ExitThreshold:
 class LayerSkipDrafter(Drafter):
     """Drafts with `self.plan` skipped; subclasses choose the plan in `begin` / `learn`."""
 
+    def setup(self, state: DecodeState) -> None:
+        """The draft vocabulary's head priced before decoding (`vocab.head_ms`: a first-use timing, saved with the
+        profile), where the drafts compute one."""
+        priced = state.profile is not None and DraftVocab.typical(self.runner, self.params.draft_vocab) is not None
+        self.head_price = head_ms(state.profile, self.runner, self.params.draft_vocab) if priced else None
+
     def begin(self, state: DecodeState) -> Observer | None:
         self.plan = SkipPlan()
         self.exit = self.make_exit()
@@ -204,7 +210,7 @@ class LayerSkipDrafter(Drafter):
         """The predicted ms of one draft token (a forward with the plan skipped, its head over the draft vocabulary)."""
         if state.profile is None:
             return 1.0
-        head = None if self.vocab is None else head_ms(state.profile, state.runner, self.vocab.size)
+        head = None if self.vocab is None else self.head_price
         return state.profile.skip_forward_ms(self.plan, state.committed, head)
 
     def overhead_ms(self) -> float:
