@@ -31,7 +31,7 @@ from specgui.costs import CostProfile, describe_origin
 from specgui.equality import first_divergence, logit_noise
 from specgui.errors import SpecGUIError
 from specgui.loading import LoadedModel
-from specgui.params import parse_value
+from specgui.params import parse_setting
 from specgui.prompts import PromptRow
 from specgui.sampling import GREEDY, Sampling
 
@@ -117,11 +117,7 @@ def entries_for(names: Iterable[str], params: dict[str, dict[str, Any]] | None =
         elif settings:
             raise SpecGUIError(f"{name!r}: transformers' references take no parameters")
         own = dict((params or {}).get(method) or {})
-        for setting in settings:
-            key, sep, value = setting.partition("=")
-            if not sep or not key:
-                raise SpecGUIError(f"{name!r}: a variant's settings are +KEY=VALUE")
-            own[key] = parse_value(value)
+        own.update(parse_setting(setting, f"{name!r}: a variant's settings are +KEY=VALUE") for setting in settings)
         chosen[name] = Entry(name, method, own or None)
     return list(chosen.values())
 

@@ -17,7 +17,7 @@ from typing import Any
 from specgui import methods
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
-from specgui.params import parse_value, specs
+from specgui.params import parse_setting, specs
 
 
 class Parser(argparse.ArgumentParser):
@@ -131,17 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _overrides(items: list[str], scoped: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecGUIError(f"--param {item!r}: expected KEY=VALUE")
+        key, value = parse_setting(item, f"--param {item!r}: expected KEY=VALUE")
         if scoped:
             method, dot, key = key.partition(".")
             if not dot:
                 raise SpecGUIError(f"--param {item!r}: bench expects METHOD.KEY=VALUE")
             methods.get(method)
-            out.setdefault(method, {})[key] = parse_value(value)
+            out.setdefault(method, {})[key] = value
         else:
-            out[key] = parse_value(value)
+            out[key] = value
     return out
 
 

@@ -26,18 +26,13 @@ from typing import Any
 from specgui import bench, methods
 from specgui.cli import Parser, add_model_args, load_model
 from specgui.errors import SpecGUIError
-from specgui.params import parse_value
+from specgui.params import parse_setting, parse_value
 from specgui.prompts import PromptRow, load_prompts, select
 
 
 def settings(grid: list[str], fixed: list[str]) -> list[dict[str, Any]]:
     """The cartesian product of `--grid KEY=V1,V2` values, each merged with the `--set KEY=V` values."""
-    base: dict[str, Any] = {}
-    for item in fixed:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecGUIError(f"--set {item!r}: expected KEY=VALUE")
-        base[key] = parse_value(value)
+    base = dict(parse_setting(item, f"--set {item!r}: expected KEY=VALUE") for item in fixed)
     axes: list[list[tuple[str, Any]]] = []
     for item in grid:
         key, sep, values = item.partition("=")

@@ -65,3 +65,12 @@ def parse_value(text: str) -> Any:
     if not isinstance(value, (int, float, str, bool)):
         raise SpecGUIError(f"parameter value {text!r} must be a number, true/false or a word")
     return value
+
+
+def parse_setting(text: str, refusal: str) -> tuple[str, Any]:
+    """A KEY=VALUE typed on a command line (`--param`, `--set`, a bench entry's `+KEY=VALUE`), its value read by
+    `parse_value`; `refusal` is the one-line error where the text is not of that form."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SpecGUIError(refusal)
+    return key, parse_value(value)
