@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="the cost model's measured profile of a model on this device")
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the saved profile")
     prof.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
+    prof.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                      help="also time a layer-skip draft token with the full LM head and over a draft vocabulary of N "
+                           "ids (0: not)")
     _output_args(prof, "profile")
     add_model_args(prof)
 
@@ -272,7 +275,7 @@ def cmd_methods(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """Measure (or read) the profile, let every method measure its mechanism on a short run, print it all."""
-    from specgui import costs, decode, fastpath, results
+    from specgui import costs, decode, fastpath, results, vocab
     from specgui.text import encode_prompt
 
     results.writable(args.json)
@@ -283,8 +286,19 @@ def cmd_profile(args: argparse.Namespace) -> None:
     for name in methods.names():
         decode.run(lm, ids, name, max_new_tokens=8, fast_path=args.fast_path, profile=profile)
     print(profile.summary())
+    tokens = vocab.draft_token_costs(profile, lm.runner, args.draft_vocab) if args.draft_vocab > 0 else []
+    if tokens:
+        print(f"\na layer-skip draft token (ms, one row after {profile.contexts[0]} cached tokens), the full LM head "
+              f"against a draft vocabulary of {args.draft_vocab} ids, measured beside a plain forward at the "
+              "profile's price of it (priced):")
+        for row in tokens:
+            change, priced = row["vocab_ms"] / row["full_ms"] - 1, row["vocab_priced_ms"] / row["full_priced_ms"] - 1
+            print(f"  {row['layers']:>3} layers skipped: {row['full_ms']:6.2f} ({row['full_priced_ms']:6.2f}) -> "
+                  f"{row['vocab_ms']:6.2f} ({row['vocab_priced_ms']:6.2f}), {change:+.0%} ({priced:+.0%})")
     data = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
-            **profile.curve(), "head": profile.head, "key": profile.key}
+            **profile.curve(), "head": profile.head, "key": profile.key,
+            **({"draft_tokens": {"size": args.draft_vocab, "context": profile.contexts[0], "rows": tokens}}
+               if tokens else {})}
     results.write("profile", data, str(lm.runner.device), args.json, args.save)
 
 

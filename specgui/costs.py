@@ -542,6 +542,12 @@ def _medians_ms(calls: list[Callable[[], Any]], sync: Callable[[], None], repeat
     return [statistics.median(x) for x in samples]
 
 
+def medians_ms(calls: list[Callable[[], Any]], device: torch.device, repeats: int = REPEATS) -> list[float]:
+    """Median ms of each call, timed in rounds of every call once after a warm-up round (`_medians_ms`): how two
+    ways of doing one thing are compared on a machine whose speed drifts."""
+    return _medians_ms(calls, _sync(device), repeats)
+
+
 def _median_ms(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
     return _medians_ms([fn], sync, repeats)[0]
 
@@ -578,8 +584,15 @@ def beside_forward_ms(profile: CostProfile, fn: Callable[[], Any], forward: Call
     16.9 ms and, 17 minutes later, 22.4), and a mechanism timed alone at another moment than the profile's forward
     curve is compared with forwards of another speed: a Fractal pass timed in a slow phase priced its drafts above
     break-even against a curve from a fast one. A share of a forward timed beside it moves with neither."""
-    mechanism, reference = _medians_ms([fn, forward], _sync(device), repeats)
-    return mechanism / reference * profile.forward_ms(rows, context)
+    return beside_ms(fn, forward, profile.forward_ms(rows, context), device, repeats)
+
+
+def beside_ms(fn: Callable[[], Any], reference: Callable[[], Any], reference_ms: float, device: torch.device,
+              repeats: int = 5) -> float:
+    """`fn`'s cost where `reference` is priced at `reference_ms`: the two timed in turns, `fn`'s share of `reference`
+    times that price (`beside_forward_ms` says why)."""
+    mechanism, measured = _medians_ms([fn, reference], _sync(device), repeats)
+    return mechanism / measured * reference_ms
 
 
 def _sync(device: torch.device) -> Callable[[], None]:

@@ -84,9 +84,20 @@ def _profile(data: dict[str, Any]) -> list[str]:
     one = data["forward"][0][0]
     rows = [[t, f"{data['forward'][0][i]:.2f}", f"{data['forward'][0][i] / one:.2f}×"]
             for i, t in enumerate(data["sizes"])]
-    return [f"Forward of the {data['model']} over {ctx} cached tokens by new rows; a plain step {data['step']:.2f} ms "
-            f"(loop {data['loop']:.2f} ms beyond its forward), LM head {data['head']:.2f} ms.", "",
-            *_table(["rows", "forward ms", "vs one row"], rows)]
+    lines = [f"Forward of the {data['model']} over {ctx} cached tokens by new rows; a plain step {data['step']:.2f} ms "
+             f"(loop {data['loop']:.2f} ms beyond its forward), LM head {data['head']:.2f} ms.", "",
+             *_table(["rows", "forward ms", "vs one row"], rows)]
+    if data.get("draft_tokens"):
+        tokens = data["draft_tokens"]
+        cells = [[r["layers"], f"{r['full_ms']:.2f} ({r['full_priced_ms']:.2f})",
+                  f"{r['vocab_ms']:.2f} ({r['vocab_priced_ms']:.2f})",
+                  f"{r['vocab_ms'] / r['full_ms'] - 1:+.0%} ({r['vocab_priced_ms'] / r['full_priced_ms'] - 1:+.0%})"]
+                 for r in tokens["rows"]]
+        lines += ["", f"A layer-skip draft token over one row after {tokens['context']} cached tokens, with the full "
+                  f"LM head and with a draft vocabulary of {tokens['size']} ids: ms measured beside a plain forward "
+                  "and scaled to the profile's price of it, priced by the profile in brackets.", "",
+                  *_table(["layers skipped", "full head", "draft vocabulary", "change"], cells)]
+    return lines
 
 
 def _suite(data: dict[str, Any]) -> list[str]:

@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from specgui import kernels
-from specgui.costs import time_ms
-from specgui.kvcache import to_device
+from specgui.costs import beside_ms, medians_ms
+from specgui.kvcache import KVCache, to_device
+from specgui.runner import Runner, SkipPlan
 
 if TYPE_CHECKING:
     from specgui.costs import CostProfile
-    from specgui.runner import Runner
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # rows [R, H] -> some of a head's outputs [R, n]
 EXTRA_IDS = 64  # ids beyond the low ones a draft vocabulary is priced with: about what a prompt brings
+SKIP_SHARES = (0.2, 0.3, 0.5)  # shares of the layers a draft token is shown skipping (`draft_token_costs`)
 
 
 class DraftVocab:
@@ -120,12 +121,53 @@ def rows_of(head: torch.nn.Module, rows: slice | torch.Tensor) -> Product:
 def head_ms(profile: CostProfile, runner: Runner, size: int) -> float:
     """What the final norm and the head over a draft vocabulary of `size` low ids (and a prompt's worth of others)
     cost on one row, the counterpart of the profile's `head`: measured once per profile and size and saved with it
-    (`CostProfile.mechanism`), so that the cost model prices the cheaper draft the policy sizes by."""
+    (`CostProfile.mechanism`), so that the cost model prices the cheaper draft the policy sizes by. Timed beside the
+    full head and priced as its share of the profile's `head` (`costs.beside_ms`): timed alone, in a faster moment
+    of the machine than the profile's head, it priced a draft token 25% cheaper than the full head's where the two
+    heads timed in turns showed 15% (AMD EPYC, 2026-11-27)."""
     def measure() -> float:
         vocab = DraftVocab.typical(runner, size)
         h = torch.randn(1, 1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device,
                         generator=torch.Generator(runner.device).manual_seed(0))
         with torch.inference_mode():
-            return time_ms(lambda: runner.logits(h, vocab=vocab), runner.device)
+            return beside_ms(lambda: runner.logits(h, vocab=vocab), lambda: runner.logits(h), profile.head,
+                             runner.device)
 
     return profile.mechanism(f"draft-head-{size}", measure)
+
+
+def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: Iterable[float] = SKIP_SHARES,
+                      repeats: int = 15) -> list[dict[str, float]]:
+    """What a layer-skip draft token costs at a few skip sets with the full head and with a draft vocabulary of `size`
+    low ids (and a prompt's worth of others), measured and priced (`python -m specgui profile` prints it): the
+    question a draft vocabulary answers is how much cheaper a draft token gets at the same skip set. Measured: one-row
+    forwards after the profile's short context with the skip set's layers left out, the two heads and a plain forward
+    timed in turns, each as its share of the plain forward times the profile's price of that forward (the machine's
+    speed drifts between phases: `costs.beside_forward_ms`); priced: `CostProfile.skip_forward_ms` with the profile's
+    head and with `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs
+    about the same). Empty where the model's head takes no draft vocabulary (`DraftVocab.typical`)."""
+    vocab = DraftVocab.typical(runner, size)
+    if vocab is None:
+        return []
+    context, layers = profile.contexts[0], runner.num_layers
+    ids = torch.randint(0, vocab.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0))
+    cache = KVCache()
+    head = head_ms(profile, runner, size)
+    rows = []
+    with torch.inference_mode():
+        runner.forward(ids[:context], torch.arange(context), cache)
+
+        def token(plan: SkipPlan | None, heads: DraftVocab | None) -> torch.Tensor:
+            return runner.forward(ids[context:], torch.tensor([context]), cache.view(context), skip=plan, vocab=heads)
+
+        for share in shares:
+            n = min(layers - 1, round(share * layers))
+            skipped = frozenset(range(layers - 1 - n, layers - 1))
+            plan = SkipPlan(attn=skipped, mlp=skipped)
+            full, part, plain = medians_ms([lambda p=plan: token(p, None), lambda p=plan: token(p, vocab),
+                                            lambda: token(None, None)], runner.device, repeats)
+            scale = profile.forward_ms(1, context) / plain
+            rows.append({"share": share, "layers": n, "full_ms": full * scale, "vocab_ms": part * scale,
+                         "full_priced_ms": profile.skip_forward_ms(plan, context),
+                         "vocab_priced_ms": profile.skip_forward_ms(plan, context, head)})
+    return rows

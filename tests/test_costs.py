@@ -146,6 +146,7 @@ def test_profile_command_prints_the_embedded_models_profile():
     out = done.stdout
     assert "cost profile of SmolLM2-135M-Instruct on cpu" in out and "plain step" in out
     assert "pld.lookup" in out and "fractal.pass" in out and "saved in" in out
+    assert "a layer-skip draft token" in out and "layers skipped" in out
 
 
 def test_a_profile_names_the_cpu_model_and_when_it_was_measured(cache_dir):

@@ -5,6 +5,7 @@ import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
 from specgui import costs, decode, kernels
+from specgui import vocab as vocab_module
 from specgui.methods import layerskip
 from specgui.methods.compress import Int8WeightOnlyLinear
 from specgui.runner import SkipPlan
@@ -104,6 +105,23 @@ def test_a_draft_token_is_priced_with_the_head_it_computes():
     assert profile.skip_forward_ms(plan, 128, head=2.0) == 22.0
     everything = SkipPlan(attn=frozenset(range(4)), mlp=frozenset(range(4)))
     assert profile.skip_forward_ms(everything, 128, head=2.0) == 8.0
+
+
+def test_draft_token_costs_time_and_price_both_heads_at_the_same_skip_sets(tmp_path, monkeypatch):
+    """`profile`'s draft-token table: per skip share, the same skip set with the full head and the subset head, each
+    measured and priced by the profile as a draft of that skip set is (`skip_forward_ms`, `head_ms`)."""
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
+    lm = tiny_model(vocab=300, layers=10, seed=3)
+    profile = costs.profile_for(lm, fast_path=False)
+    rows = vocab_module.draft_token_costs(profile, lm.runner, 64, shares=(0.2, 0.5), repeats=2)
+    assert [(r["share"], r["layers"]) for r in rows] == [(0.2, 2), (0.5, 5)]
+    head = vocab_module.head_ms(profile, lm.runner, 64)
+    for r in rows:
+        plan = SkipPlan(attn=frozenset(range(9 - r["layers"], 9)), mlp=frozenset(range(9 - r["layers"], 9)))
+        assert r["full_priced_ms"] == profile.skip_forward_ms(plan, profile.contexts[0])
+        assert r["vocab_priced_ms"] == profile.skip_forward_ms(plan, profile.contexts[0], head)
+        assert r["full_ms"] > 0 and r["vocab_ms"] > 0
+    assert vocab_module.draft_token_costs(profile, lm.runner, 300) == []  # the whole vocabulary: nothing to compare
 
 
 def test_a_compressed_heads_rows_are_its_outputs_bit_for_bit():
