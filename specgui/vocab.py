@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specgui import kernels
+from specgui import fastpath, kernels
 from specgui.costs import beside_ms, medians_ms
 from specgui.kvcache import KVCache, to_device
 from specgui.runner import Runner, SkipPlan
@@ -143,15 +143,16 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
     question a draft vocabulary answers is how much cheaper a draft token gets at the same skip set. Measured: one-row
     forwards after the profile's short context with the skip set's layers left out, the two heads and a plain forward
     timed in turns, each as its share of the plain forward times the profile's price of that forward (the machine's
-    speed drifts between phases: `costs.beside_forward_ms`); priced: `CostProfile.skip_forward_ms` with the profile's
-    head and with `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs
-    about the same). Empty where the model's head takes no draft vocabulary (`DraftVocab.typical`)."""
+    speed drifts between phases: `costs.beside_forward_ms`), on the profile's path (the fast path's static cache and
+    programs where it was measured on them); priced: `CostProfile.skip_forward_ms` with the profile's head and with
+    `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs about the same).
+    Empty where the model's head takes no draft vocabulary (`DraftVocab.typical`)."""
     vocab = DraftVocab.typical(runner, size)
     if vocab is None:
         return []
     context, layers = profile.contexts[0], runner.num_layers
     ids = torch.randint(0, vocab.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0))
-    cache = KVCache()
+    cache = fastpath.cache_for(runner, context + 1) if profile.key.get("fast_path") else KVCache()  # the profile's path
     head = head_ms(profile, runner, size)
     rows = []
     with torch.inference_mode():
@@ -164,6 +165,7 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
             n = min(layers - 1, round(share * layers))
             skipped = frozenset(range(layers - 1 - n, layers - 1))
             plan = SkipPlan(attn=skipped, mlp=skipped)
+            fastpath.adopt(cache, plan)  # on the fast path its program is made before the clock, as a method does
             full, part, plain = medians_ms([lambda p=plan: token(p, None), lambda p=plan: token(p, vocab),
                                             lambda: token(None, None)], runner.device, repeats)
             scale = profile.forward_ms(1, context) / plain

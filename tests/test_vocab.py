@@ -107,12 +107,14 @@ def test_a_draft_token_is_priced_with_the_head_it_computes():
     assert profile.skip_forward_ms(everything, 128, head=2.0) == 8.0
 
 
-def test_draft_token_costs_time_and_price_both_heads_at_the_same_skip_sets(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_draft_token_costs_time_and_price_both_heads_at_the_same_skip_sets(tmp_path, monkeypatch, fast_path):
     """`profile`'s draft-token table: per skip share, the same skip set with the full head and the subset head, each
-    measured and priced by the profile as a draft of that skip set is (`skip_forward_ms`, `head_ms`)."""
+    measured (on the profile's path) and priced by the profile as a draft of that skip set is (`skip_forward_ms`,
+    `head_ms`)."""
     monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
     lm = tiny_model(vocab=300, layers=10, seed=3)
-    profile = costs.profile_for(lm, fast_path=False)
+    profile = costs.profile_for(lm, fast_path=fast_path)
     rows = vocab_module.draft_token_costs(profile, lm.runner, 64, shares=(0.2, 0.5), repeats=2)
     assert [(r["share"], r["layers"]) for r in rows] == [(0.2, 2), (0.5, 5)]
     head = vocab_module.head_ms(profile, lm.runner, 64)
