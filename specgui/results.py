@@ -29,21 +29,23 @@ KINDS = ("heldout", "presets", "profile", "gpucheck", "dispatch", "suite")
 TEST_COMMAND = re.compile(r"<!-- test-command -->\s*```[^\n]*\n(?P<command>.*?)\n```", re.S)
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, root: Path = REPO_DIR) -> str | None:
     try:
-        done = subprocess.run(["git", *args], cwd=REPO_DIR, capture_output=True, text=True, timeout=10, check=True)
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip()
 
 
-def commit() -> str | None:
-    """HEAD's hash, with "-dirty" when tracked files differ from it (the figures then belong to no commit exactly);
-    None outside a git checkout."""
-    head = _git("rev-parse", "HEAD")
+def commit(root: Path = REPO_DIR) -> str | None:
+    """HEAD's hash, with "-dirty" when tracked files that can move a figure differ from it (the figures then belong
+    to no commit exactly); None outside a git checkout. Saved results and the Markdown they render into move none:
+    a second measurement before the first is committed still belongs to HEAD."""
+    head = _git("rev-parse", "HEAD", root=root)
     if head is None:
         return None
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results", ":(exclude)*.md",
+                 root=root)
     return head + ("-dirty" if dirty else "")
 
 

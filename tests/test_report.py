@@ -2,6 +2,7 @@
 check that fails when a rendered table no longer matches its JSON (the repository's own docs included)."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -90,6 +91,25 @@ def test_provenance_names_the_command_commit_device_and_versions():
     assert results.machine_slug("cpu").startswith("cpu-") and results.machine_slug("cpu").endswith("c")
     with pytest.raises(ValueError, match="provenance"):
         results.save("suite", {"seconds": 1})
+
+
+def test_a_commit_is_dirty_when_code_differs_not_when_only_results_or_their_markdown_do(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    for name, text in (("code.py", "x = 1\n"), ("README.md", "a\n"), ("results/heldout.json", "{}\n")):
+        (tmp_path / name).write_text(text)
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    head = results.commit(tmp_path)
+    assert head is not None and len(head) == 40
+    (tmp_path / "results" / "heldout.json").write_text('{"a": 1}\n')  # a measurement not yet committed
+    (tmp_path / "README.md").write_text("b\n")  # and the table it renders
+    assert results.commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert results.commit(tmp_path) == head + "-dirty"
 
 
 def test_the_newest_result_wins_whatever_its_date_format_and_a_dirty_commit_says_so(tmp_path):
