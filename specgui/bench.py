@@ -1,9 +1,11 @@
 """Benchmark: every prompt with every method, in one process, against `baseline`.
 
-How the numbers are made (Spec-Bench's conventions): one warm-up run per method is excluded; each
-(prompt, method) pair runs `repeats` times and keeps the median wall time; methods take turns per prompt
-in a rotating order so drift in machine load spreads evenly; tokens/s is total new tokens over total
-time; speedup is a method's tokens/s over `baseline`'s; tau is tokens per verify forward (the
+How the numbers are made (Spec-Bench's conventions, paired): one warm-up run per method is excluded; each
+(prompt, method) pair runs `repeats` times, in rounds in which the methods take turns per prompt in a rotating
+order; tokens/s is total new tokens over the total of each pair's median wall time; speedup pairs every run with
+the baseline's run of the same prompt and round (`paired_speedup`: the median ratio per prompt, weighted by the
+baseline's time on it), since the machine's speed moves in phases that a run's median alone does not cancel;
+tau is tokens per verify forward (the
 verifier's own token included); ceiling is the speedup the same runs would have if each step cost a plain
 step (`ceiling`: what the drafts allow, whatever the verifies cost). `hf-generate`, `hf-static` and `hf-pld`
 are transformers' own greedy `generate` (with its dynamic cache, with a static cache, which it compiles on a
@@ -255,8 +257,28 @@ def ceiling(group: list[Run], base: list[Run]) -> float | None:
     return plain_wall / at_plain_cost if at_plain_cost > 0 else None
 
 
-def _aggregate(group: list[Run], base_rate: float | None, greedy: bool,
-               base: list[Run] | None = None) -> dict[str, Any]:
+def paired_speedup(group: list[Run], base: list[Run]) -> float:
+    """The speedup of `group` over `base` (the same prompts in order), each run paired with the baseline's run of the
+    same prompt and round: per prompt the median over rounds of the ratio of the two runs' rates (new tokens over wall
+    time), over all prompts the baseline's median time divided by what the method took at those ratios.
+
+    Why paired: a round's runs follow each other within seconds, while this kind of machine runs in phases of minutes
+    whose speeds differ by ~20% (AMD EPYC, 2 cores: a held-out prompt's plain runs at 0.84 and 0.71 s); a method's
+    median and the baseline's median can each land in another phase, and a method that decodes exactly as the
+    baseline did measured 0.86x on one prompt (walls 0.84, 0.83, 0.72 against 0.83, 0.71, 0.71 s), where its
+    rounds' ratios (0.99, 0.85, 0.99) say 0.99x."""
+    base_s = method_s = 0.0
+    for run, ref in zip(group, base):
+        rounds = [(len(run.tokens) / wall) / (len(ref.tokens) / ref_wall)
+                  for wall, ref_wall in zip(run.walls, ref.walls) if wall > 0 and ref_wall > 0 and ref.tokens]
+        if not rounds:
+            continue
+        base_s += ref.wall
+        method_s += ref.wall / statistics.median(rounds)
+    return base_s / method_s if method_s > 0 else 1.0
+
+
+def _aggregate(group: list[Run], greedy: bool, base: list[Run] | None = None) -> dict[str, Any]:
     tokens = sum(len(r.tokens) for r in group)
     wall = sum(r.wall for r in group)
     rate = tokens / wall if wall else 0.0
@@ -266,7 +288,7 @@ def _aggregate(group: list[Run], base_rate: float | None, greedy: bool,
     predicted = native and all(r.predicted_s > 0 for r in group)
     return {
         "tokens_per_s": rate,
-        "speedup": rate / base_rate if base_rate else 1.0,
+        "speedup": paired_speedup(group, base) if base is not None else 1.0,
         "predicted_speedup": sum(r.plain_s for r in group) / sum(r.predicted_s for r in group) if predicted else None,
         "ceiling": ceiling(group, base) if base is not None else None,
         "mean_accepted": (sum(r.emitted_in_steps for r in group) / steps if steps else None) if native else None,
@@ -300,7 +322,6 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
     categories = list(dict.fromkeys(r.category for r in rows))
     labels = [e.label for e in entries]
     by_label = {label: [runs[(r.id, label)] for r in rows] for label in labels}
-    base_rate = _aggregate(by_label[base_label], None, sampling.greedy)["tokens_per_s"]
     report: dict[str, Any] = {
         "model": lm.name, "device": str(lm.runner.device), "dtype": str(lm.runner.dtype).removeprefix("torch."),
         "fast_path": profile.key["fast_path"], "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
@@ -309,14 +330,12 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
         "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
     }
     for label in labels:
-        report["methods"][label] = _aggregate(by_label[label], base_rate, sampling.greedy, by_label[base_label])
+        report["methods"][label] = _aggregate(by_label[label], sampling.greedy, by_label[base_label])
         report["profile"][label] = _profile(by_label[label])
     for cat in categories:
         base_runs = [r for r in by_label[base_label] if r.category == cat]
-        base = _aggregate(base_runs, None, sampling.greedy)
         report["categories"][cat] = {
-            label: _aggregate([r for r in by_label[label] if r.category == cat], base["tokens_per_s"], sampling.greedy,
-                              base_runs)
+            label: _aggregate([r for r in by_label[label] if r.category == cat], sampling.greedy, base_runs)
             for label in labels
         }
     for row in rows:
@@ -354,7 +373,7 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
     """Plain-text tables: per method, per category, divergences (and phase profile)."""
     path = "fast path" if report["fast_path"] else "eager"
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}, {path}), {report['prompts']} "
-             f"prompts, max {report['max_new_tokens']} new tokens, median of {report['repeats']} repeat(s), "
+             f"prompts, max {report['max_new_tokens']} new tokens, {report['repeats']} repeat(s) paired by round, "
              f"temperature {report['sampling']['temperature']}",
              f"logit noise between batch shapes: {report['logit_noise']:.3g} (a divergence whose baseline top-2 "
              "margin is within it is a near-tie)"]

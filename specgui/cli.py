@@ -235,7 +235,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_presets(args: argparse.Namespace) -> None:
     """Each demo preset's method against plain decoding on the preset's prompt, budget and parameters, `--repeats`
-    times (medians, as `bench` takes them): the table the README shows beside the preset picker."""
+    times (paired by round, as `bench` takes them): the table the README shows beside the preset picker."""
     from specgui import bench, results
     from specgui.ui.controls import examples, presets
 

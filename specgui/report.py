@@ -64,9 +64,9 @@ def _heldout(data: dict[str, Any]) -> list[str]:
     rows = [[f"`{label}`", f"{m['tokens_per_s']:.1f}", _x(m["speedup"]), _x(m.get("predicted_speedup")),
              _x(m.get("ceiling")), "-" if m.get("mean_accepted") is None else f"{m['mean_accepted']:.2f}",
              _identical(m)] for label, m in data["methods"].items()]
-    return [f"{data['prompts']} held-out prompts (`assets/heldout.jsonl`), {data['max_new_tokens']} new tokens, median "
-            f"of {data['repeats']} runs, {data['model']} in {data['dtype']} on {data['device']}; plain decoding "
-            f"{base['tokens_per_s']:.1f} tokens/s.", "",
+    return [f"{data['prompts']} held-out prompts (`assets/heldout.jsonl`), {data['max_new_tokens']} new tokens, "
+            f"{data['repeats']} runs each (speedups paired by round, tokens/s of the median runs), {data['model']} in "
+            f"{data['dtype']} on {data['device']}; plain decoding {base['tokens_per_s']:.1f} tokens/s.", "",
             *_table(["method", "tokens/s", "speedup", "predicted", "ceiling", "tau", "identical"], rows)]
 
 
@@ -74,7 +74,7 @@ def _presets(data: dict[str, Any]) -> list[str]:
     rows = [[p["name"], f"`{p['method']}`", _x(p["speedup"]), _x(p.get("predicted_speedup")), _x(p.get("ceiling")),
              "-" if p.get("mean_accepted") is None else f"{p['mean_accepted']:.2f}", _identical(p)]
             for p in data["presets"]]
-    return [f"Each preset against plain decoding on its own prompt, median of {data['repeats']} runs, "
+    return [f"Each preset against plain decoding on its own prompt, {data['repeats']} runs each paired by round, "
             f"{data['model']}.", "", *_table(["preset", "method", "speedup", "predicted", "ceiling", "tau",
                                                "identical"], rows)]
 

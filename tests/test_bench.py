@@ -93,6 +93,22 @@ def test_the_ceiling_prices_every_step_as_the_baselines_step_on_the_same_prompt(
     assert bench.ceiling([reference], [base]) is None
 
 
+def test_speedup_pairs_each_run_with_the_baselines_run_of_the_same_round():
+    """A method that decodes as the baseline does, its median run landing in a slow phase of the machine: paired by
+    round it is 0.99x, where the ratio of the two medians said 0.86x. A method twice as fast stays 2x, and prompts
+    weigh by the baseline's time on them."""
+    tokens = list(range(64))
+    base = bench.Run("p", "c", "baseline", tokens, walls=[0.832, 0.708, 0.713])
+    same = bench.Run("p", "c", "clasp", tokens, walls=[0.837, 0.833, 0.719])
+    assert base.wall / same.wall == pytest.approx(0.856, abs=1e-3)
+    assert bench.paired_speedup([same], [base]) == pytest.approx(0.992, abs=1e-3)
+    other = bench.Run("q", "c", "baseline", tokens, walls=[3.0, 3.0, 3.0])
+    fast = [bench.Run("p", "c", "m", tokens, walls=[0.416, 0.354, 0.357]),
+            bench.Run("q", "c", "m", tokens, walls=[3.0, 3.0, 3.0])]
+    assert bench.paired_speedup(fast[:1], [base]) == pytest.approx(2.0, abs=1e-3)
+    assert bench.paired_speedup(fast, [base, other]) == pytest.approx((0.713 + 3.0) / (0.713 / 2 + 3.0), abs=1e-3)
+
+
 def test_format_report_separates_ties_from_bugs():
     agg = {"tokens_per_s": 10, "speedup": 1.0, "mean_accepted": 1.5, "acceptance_rate": 0.5, "identical": 1,
            "ties": 1, "total": 3}
