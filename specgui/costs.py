@@ -56,7 +56,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -612,7 +612,20 @@ def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:
     return {"model": lm.name, "shape": shape, "device": device, "dtype": str(runner.dtype).removeprefix("torch."),
             "fast_path": fast_path, "matmul": signature(lm.model), "layers": cpu_layers.signature(lm.model),
             "kernel": build() if runner.device.type == "cpu" else None, "torch": torch.__version__,
-            "specgui": __version__}
+            "specgui": __version__, "code": code_digest()}
+
+
+@cache
+def code_digest() -> str:
+    """A digest of the package's Python source. A profile holds prices measured by this code (a forward, the cost of
+    a mechanism as a method times it), and the version string never moved with the code: a profile saved by an
+    older checkout kept its mechanisms' old prices (a draft vocabulary's head timed alone, after it was timed beside
+    the full head) until measured again by hand. Keyed by the source, other code measures its own profile."""
+    digest = hashlib.sha1()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _path(lm: Any, key: dict[str, Any]) -> Path:

@@ -149,6 +149,15 @@ def test_profile_command_prints_the_embedded_models_profile():
     assert "a layer-skip draft token" in out and "layers skipped" in out
 
 
+def test_a_profile_saved_by_other_code_is_measured_again(cache_dir, monkeypatch):
+    """A profile holds prices this code measured (its mechanisms too): another checkout's is not read."""
+    first = costs.profile_for(tiny_model(seed=4), fast_path=False)
+    assert first.key["code"] == costs.code_digest() and len(costs.code_digest()) == 12
+    assert costs.profile_for(tiny_model(seed=4), fast_path=False).measured_at == first.measured_at  # read back
+    monkeypatch.setattr(costs, "code_digest", lambda: "0123456789ab")
+    assert costs.profile_for(tiny_model(seed=4), fast_path=False).measured_at > first.measured_at
+
+
 def test_a_profile_names_the_cpu_model_and_when_it_was_measured(cache_dir):
     lm = tiny_model(seed=4)
     before = time.time()
