@@ -225,12 +225,17 @@ def test_a_process_waiting_on_another_ones_measurement_takes_what_it_saved(cache
             theirs["measured_at"], theirs["step"] = time.time(), 123.0
             path.write_text(json.dumps(theirs))
 
+    def waiting(where: Path):  # the other process saves once this one has asked and waits on the lock, however slow
+        release.set()  # the machine: a fixed delay raced the model's construction under load
+        return exclusive(where)
+
+    waiter = tiny_model(seed=9)
     other = threading.Thread(target=other_process)
     other.start()
     holding.wait(10)
     monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured although the other process had"))
-    threading.Timer(0.2, release.set).start()
-    got = costs.remeasure(tiny_model(seed=9), fast_path=False)
+    monkeypatch.setattr(costs, "exclusive", waiting)
+    got = costs.remeasure(waiter, fast_path=False)
     other.join()
     assert got.step == 123.0 and got.path == str(path)
 
