@@ -88,6 +88,7 @@ class Run:
     method: str
     tokens: list[int]
     walls: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # new tokens of each repeat, beside `walls` (sampling varies it)
     steps: int = 0
     emitted_in_steps: int = 0
     drafted: int = 0
@@ -135,7 +136,7 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
     """One run of one method on one prompt."""
     if method in REFERENCES:
         tokens, wall = REFERENCES[method](lm, ids, max_new, sampling)
-        return Run(row.id, row.category, method, tokens, [wall])
+        return Run(row.id, row.category, method, tokens, [wall], [len(tokens)])
     result = decode.run(lm, ids, method, max_new_tokens=max_new, sampling=sampling, params=params,
                         fast_path=fast_path)
     s, steps = result.summary, result.steps
@@ -145,7 +146,7 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
             if key.endswith(("_ms", "_ratio")) and isinstance(value, (int, float)):
                 phase[key] = phase.get(key, 0.0) + value
                 phase[key + "_count"] = phase.get(key + "_count", 0) + 1
-    return Run(row.id, row.category, method, result.token_ids, [s.wall_s], steps=s.steps,
+    return Run(row.id, row.category, method, result.token_ids, [s.wall_s], [len(result.token_ids)], steps=s.steps,
                emitted_in_steps=sum(len(st.emitted) for st in steps), drafted=s.drafted, accepted=s.accepted,
                margins=result.margins, phase_ms=phase, predicted_s=s.predicted_s, plain_s=s.plain_s)
 
@@ -218,6 +219,7 @@ def bench(
                 key = (row.id, entry.label)
                 if key in runs:
                     runs[key].walls.extend(run.walls)
+                    runs[key].counts.extend(run.counts)
                 else:
                     runs[key] = run
                 if progress is not None:
@@ -269,8 +271,8 @@ def paired_speedup(group: list[Run], base: list[Run]) -> float:
     rounds' ratios (0.99, 0.85, 0.99) say 0.99x."""
     base_s = method_s = 0.0
     for run, ref in zip(group, base):
-        rounds = [(len(run.tokens) / wall) / (len(ref.tokens) / ref_wall)
-                  for wall, ref_wall in zip(run.walls, ref.walls) if wall > 0 and ref_wall > 0 and ref.tokens]
+        rounds = [(n / wall) / (ref_n / ref_wall) for wall, n, ref_wall, ref_n
+                  in zip(run.walls, _counts(run), ref.walls, _counts(ref)) if wall > 0 and ref_wall > 0 and ref_n]
         if not rounds:
             continue
         base_s += ref.wall
@@ -278,7 +280,12 @@ def paired_speedup(group: list[Run], base: list[Run]) -> float:
     return base_s / method_s if method_s > 0 else 1.0
 
 
-def _aggregate(group: list[Run], greedy: bool, base: list[Run] | None = None) -> dict[str, Any]:
+def _counts(run: Run) -> list[int]:
+    """New tokens of each repeat (a run made by hand may give only its first repeat's tokens)."""
+    return run.counts or [len(run.tokens)] * len(run.walls)
+
+
+def _aggregate(group: list[Run], greedy: bool, base: list[Run]) -> dict[str, Any]:
     tokens = sum(len(r.tokens) for r in group)
     wall = sum(r.wall for r in group)
     rate = tokens / wall if wall else 0.0
@@ -288,9 +295,9 @@ def _aggregate(group: list[Run], greedy: bool, base: list[Run] | None = None) ->
     predicted = native and all(r.predicted_s > 0 for r in group)
     return {
         "tokens_per_s": rate,
-        "speedup": paired_speedup(group, base) if base is not None else 1.0,
+        "speedup": paired_speedup(group, base),
         "predicted_speedup": sum(r.plain_s for r in group) / sum(r.predicted_s for r in group) if predicted else None,
-        "ceiling": ceiling(group, base) if base is not None else None,
+        "ceiling": ceiling(group, base),
         "mean_accepted": (sum(r.emitted_in_steps for r in group) / steps if steps else None) if native else None,
         "acceptance_rate": (sum(r.accepted for r in group) / drafted if drafted else None) if native else None,
         "identical": sum(1 for r in group if r.identical) if greedy else None,

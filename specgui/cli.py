@@ -285,16 +285,17 @@ def cmd_profile(args: argparse.Namespace) -> None:
     ids = encode_prompt(lm.tokenizer, "Summarise: the cost model measures what each forward costs.")
     for name in methods.names():
         decode.run(lm, ids, name, max_new_tokens=8, fast_path=args.fast_path, profile=profile)
-    print(profile.summary())
+    # before the summary: the draft vocabulary's head price it measures is one of the profile's mechanisms
     tokens = vocab.draft_token_costs(profile, lm.runner, args.draft_vocab) if args.draft_vocab > 0 else []
+    print(profile.summary())
     if tokens:
         print(f"\na layer-skip draft token (ms, one row after {profile.contexts[0]} cached tokens), the full LM head "
               f"against a draft vocabulary of {args.draft_vocab} ids, measured beside a plain forward at the "
               "profile's price of it (priced):")
         for row in tokens:
-            change, priced = row["vocab_ms"] / row["full_ms"] - 1, row["vocab_priced_ms"] / row["full_priced_ms"] - 1
             print(f"  {row['layers']:>3} layers skipped: {row['full_ms']:6.2f} ({row['full_priced_ms']:6.2f}) -> "
-                  f"{row['vocab_ms']:6.2f} ({row['vocab_priced_ms']:6.2f}), {change:+.0%} ({priced:+.0%})")
+                  f"{row['vocab_ms']:6.2f} ({row['vocab_priced_ms']:6.2f}), {row['change']:+.0%} "
+                  f"({row['priced_change']:+.0%})")
     data = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
             **profile.curve(), "head": profile.head, "key": profile.key,
             **({"draft_tokens": {"size": args.draft_vocab, "context": profile.contexts[0], "rows": tokens}}

@@ -91,7 +91,7 @@ def _profile(data: dict[str, Any]) -> list[str]:
         tokens = data["draft_tokens"]
         cells = [[r["layers"], f"{r['full_ms']:.2f} ({r['full_priced_ms']:.2f})",
                   f"{r['vocab_ms']:.2f} ({r['vocab_priced_ms']:.2f})",
-                  f"{r['vocab_ms'] / r['full_ms'] - 1:+.0%} ({r['vocab_priced_ms'] / r['full_priced_ms'] - 1:+.0%})"]
+                  f"{r['change']:+.0%} ({r['priced_change']:+.0%})"]
                  for r in tokens["rows"]]
         lines += ["", f"A layer-skip draft token over one row after {tokens['context']} cached tokens, with the full "
                   f"LM head and with a draft vocabulary of {tokens['size']} ids: ms measured beside a plain forward "

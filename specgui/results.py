@@ -40,7 +40,8 @@ def _git(*args: str, root: Path = REPO_DIR) -> str | None:
 def commit(root: Path = REPO_DIR) -> str | None:
     """HEAD's hash, with "-dirty" when tracked files that can move a figure differ from it (the figures then belong
     to no commit exactly); None outside a git checkout. Saved results and the Markdown they render into move none:
-    a second measurement before the first is committed still belongs to HEAD."""
+    a second measurement before the first is committed still belongs to HEAD. (README's test command, which
+    `suite-time` runs, is Markdown too: the suite's result records the command it ran.)"""
     head = _git("rev-parse", "HEAD", root=root)
     if head is None:
         return None

@@ -145,8 +145,9 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
     timed in turns, each as its share of the plain forward times the profile's price of that forward (the machine's
     speed drifts between phases: `costs.beside_forward_ms`), on the profile's path (the fast path's static cache and
     programs where it was measured on them); priced: `CostProfile.skip_forward_ms` with the profile's head and with
-    `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs about the same).
-    Empty where the model's head takes no draft vocabulary (`DraftVocab.typical`)."""
+    `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs about the same),
+    n the shares of the layers rounded, at least 1, each once. Empty where the model's head takes no draft vocabulary
+    (`DraftVocab.typical`)."""
     vocab = DraftVocab.typical(runner, size)
     if vocab is None:
         return []
@@ -161,15 +162,15 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
         def token(plan: SkipPlan | None, heads: DraftVocab | None) -> torch.Tensor:
             return runner.forward(ids[context:], torch.tensor([context]), cache.view(context), skip=plan, vocab=heads)
 
-        for share in shares:
-            n = min(layers - 1, round(share * layers))
+        counts = dict.fromkeys(min(layers - 1, max(1, round(share * layers))) for share in shares)  # distinct, >= 1
+        for n in counts:
             skipped = frozenset(range(layers - 1 - n, layers - 1))
             plan = SkipPlan(attn=skipped, mlp=skipped)
             fastpath.adopt(cache, plan)  # on the fast path its program is made before the clock, as a method does
             full, part, plain = medians_ms([lambda p=plan: token(p, None), lambda p=plan: token(p, vocab),
                                             lambda: token(None, None)], runner.device, repeats)
             scale = profile.forward_ms(1, context) / plain
-            rows.append({"share": share, "layers": n, "full_ms": full * scale, "vocab_ms": part * scale,
-                         "full_priced_ms": profile.skip_forward_ms(plan, context),
-                         "vocab_priced_ms": profile.skip_forward_ms(plan, context, head)})
+            whole, cut = profile.skip_forward_ms(plan, context), profile.skip_forward_ms(plan, context, head)
+            rows.append({"layers": n, "full_ms": full * scale, "vocab_ms": part * scale, "full_priced_ms": whole,
+                         "vocab_priced_ms": cut, "change": part / full - 1, "priced_change": cut / whole - 1})
     return rows

@@ -107,6 +107,9 @@ def test_speedup_pairs_each_run_with_the_baselines_run_of_the_same_round():
             bench.Run("q", "c", "m", tokens, walls=[3.0, 3.0, 3.0])]
     assert bench.paired_speedup(fast[:1], [base]) == pytest.approx(2.0, abs=1e-3)
     assert bench.paired_speedup(fast, [base, other]) == pytest.approx((0.713 + 3.0) / (0.713 / 2 + 3.0), abs=1e-3)
+    # sampling: rounds that stopped early at 32 tokens in half the time run at the same rate
+    sampled = bench.Run("p", "c", "m", tokens, walls=[0.416, 0.354, 0.713], counts=[32, 32, 64])
+    assert bench.paired_speedup([sampled], [base]) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_format_report_separates_ties_from_bugs():

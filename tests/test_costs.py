@@ -153,7 +153,7 @@ def test_a_profile_saved_by_other_code_is_measured_again(cache_dir, monkeypatch)
     """A profile holds prices this code measured (its mechanisms too): another checkout's is not read."""
     first = costs.profile_for(tiny_model(seed=4), fast_path=False)
     assert first.key["code"] == costs.code_digest() and len(costs.code_digest()) == 12
-    assert costs.profile_for(tiny_model(seed=4), fast_path=False).measured_at == first.measured_at  # read back
+    assert costs.profile_for(tiny_model(seed=4), fast_path=False).measured_at == first.measured_at  # the same one
     monkeypatch.setattr(costs, "code_digest", lambda: "0123456789ab")
     assert costs.profile_for(tiny_model(seed=4), fast_path=False).measured_at > first.measured_at
 

@@ -73,8 +73,8 @@ def test_presets_and_profile_tables(tmp_path):
     write(tmp_path / "m", "profile", {"model": "embedded", "sizes": [1, 2, 4], "contexts": [128, 512],
                                       "forward": [[20.0, 21.0, 25.0], [22.0, 23.0, 27.0]], "step": 21.5, "loop": 1.5,
                                       "head": 3.0, "draft_tokens": {"size": 8192, "context": 128, "rows": [
-                                          {"share": 0.2, "layers": 6, "full_ms": 10.0, "vocab_ms": 8.0,
-                                           "full_priced_ms": 12.0, "vocab_priced_ms": 9.0}]}})
+                                          {"layers": 6, "full_ms": 10.0, "vocab_ms": 8.0, "full_priced_ms": 12.0,
+                                           "vocab_priced_ms": 9.0, "change": -0.2, "priced_change": -0.25}]}})
     assert "| Answering from retrieved passages | `pld` | 3.20× | 3.14× | 3.52× | 7.30 | 2/2 |" in report.render(
         "presets", tmp_path)
     profile = report.render("profile", tmp_path)

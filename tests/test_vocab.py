@@ -109,20 +109,30 @@ def test_a_draft_token_is_priced_with_the_head_it_computes():
 
 @pytest.mark.parametrize("fast_path", [False, True])
 def test_draft_token_costs_time_and_price_both_heads_at_the_same_skip_sets(tmp_path, monkeypatch, fast_path):
-    """`profile`'s draft-token table: per skip share, the same skip set with the full head and the subset head, each
-    measured (on the profile's path) and priced by the profile as a draft of that skip set is (`skip_forward_ms`,
-    `head_ms`)."""
+    """`profile`'s draft-token table: per skip share, the same skip set with the full head and the subset head (the
+    forwards timed get either), each measured (on the profile's path) and priced by the profile as a draft of that
+    skip set is (`skip_forward_ms`, `head_ms`); shares that round to the same count of layers give one row."""
     monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
     lm = tiny_model(vocab=300, layers=10, seed=3)
     profile = costs.profile_for(lm, fast_path=fast_path)
-    rows = vocab_module.draft_token_costs(profile, lm.runner, 64, shares=(0.2, 0.5), repeats=2)
-    assert [(r["share"], r["layers"]) for r in rows] == [(0.2, 2), (0.5, 5)]
+    forward, heads = lm.runner.forward, []
+
+    def recording(*args, **kwargs):
+        heads.append((kwargs.get("skip"), kwargs.get("vocab")))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm.runner, "forward", recording)
+    rows = vocab_module.draft_token_costs(profile, lm.runner, 64, shares=(0.2, 0.5, 0.52), repeats=2)
+    assert [r["layers"] for r in rows] == [2, 5]
     head = vocab_module.head_ms(profile, lm.runner, 64)
     for r in rows:
         plan = SkipPlan(attn=frozenset(range(9 - r["layers"], 9)), mlp=frozenset(range(9 - r["layers"], 9)))
         assert r["full_priced_ms"] == profile.skip_forward_ms(plan, profile.contexts[0])
         assert r["vocab_priced_ms"] == profile.skip_forward_ms(plan, profile.contexts[0], head)
-        assert r["full_ms"] > 0 and r["vocab_ms"] > 0
+        assert r["change"] == pytest.approx(r["vocab_ms"] / r["full_ms"] - 1)
+        assert r["priced_change"] == pytest.approx(r["vocab_priced_ms"] / r["full_priced_ms"] - 1)
+        timed = {(skip, None if v is None else len(v)) for skip, v in heads if skip == plan}
+        assert timed == {(plan, None), (plan, 64 + vocab_module.EXTRA_IDS)}  # the full head and the subset's
     assert vocab_module.draft_token_costs(profile, lm.runner, 300) == []  # the whole vocabulary: nothing to compare
 
 
