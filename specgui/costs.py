@@ -542,12 +542,6 @@ def _medians_ms(calls: list[Callable[[], Any]], sync: Callable[[], None], repeat
     return [statistics.median(x) for x in samples]
 
 
-def medians_ms(calls: list[Callable[[], Any]], device: torch.device, repeats: int = REPEATS) -> list[float]:
-    """Median ms of each call, timed in rounds of every call once after a warm-up round (`_medians_ms`): how two
-    ways of doing one thing are compared on a machine whose speed drifts."""
-    return _medians_ms(calls, _sync(device), repeats)
-
-
 def _median_ms(fn: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
     return _medians_ms([fn], sync, repeats)[0]
 

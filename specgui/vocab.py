@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specgui import fastpath, kernels
-from specgui.costs import beside_ms, medians_ms
+from specgui.costs import beside_forward_ms, beside_ms
 from specgui.kvcache import KVCache, to_device
 from specgui.runner import Runner, SkipPlan
 
@@ -141,9 +141,9 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
     """What a layer-skip draft token costs at a few skip sets with the full head and with a draft vocabulary of `size`
     low ids (and a prompt's worth of others), measured and priced (`python -m specgui profile` prints it): the
     question a draft vocabulary answers is how much cheaper a draft token gets at the same skip set. Measured: one-row
-    forwards after the profile's short context with the skip set's layers left out, the two heads and a plain forward
-    timed in turns, each as its share of the plain forward times the profile's price of that forward (the machine's
-    speed drifts between phases: `costs.beside_forward_ms`), on the profile's path (the fast path's static cache and
+    forwards after the profile's short context with the skip set's layers left out, each head's timed in turns with a
+    plain forward and priced as its share of it (`costs.beside_forward_ms`: the machine's speed drifts between
+    phases), on the profile's path (the fast path's static cache and
     programs where it was measured on them); priced: `CostProfile.skip_forward_ms` with the profile's head and with
     `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs about the same),
     n the shares of the layers rounded, at least 1, each once. Empty where the model's head takes no draft vocabulary
@@ -167,10 +167,9 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
             skipped = frozenset(range(layers - 1 - n, layers - 1))
             plan = SkipPlan(attn=skipped, mlp=skipped)
             fastpath.adopt(cache, plan)  # on the fast path its program is made before the clock, as a method does
-            full, part, plain = medians_ms([lambda p=plan: token(p, None), lambda p=plan: token(p, vocab),
-                                            lambda: token(None, None)], runner.device, repeats)
-            scale = profile.forward_ms(1, context) / plain
+            full, part = (beside_forward_ms(profile, lambda p=plan, v=v: token(p, v), lambda: token(None, None), 1,
+                                            context, runner.device, repeats) for v in (None, vocab))
             whole, cut = profile.skip_forward_ms(plan, context), profile.skip_forward_ms(plan, context, head)
-            rows.append({"layers": n, "full_ms": full * scale, "vocab_ms": part * scale, "full_priced_ms": whole,
+            rows.append({"layers": n, "full_ms": full, "vocab_ms": part, "full_priced_ms": whole,
                          "vocab_priced_ms": cut, "change": part / full - 1, "priced_change": cut / whole - 1})
     return rows
