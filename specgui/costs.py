@@ -54,7 +54,7 @@ import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
@@ -578,15 +578,16 @@ def beside_forward_ms(profile: CostProfile, fn: Callable[[], Any], forward: Call
     16.9 ms and, 17 minutes later, 22.4), and a mechanism timed alone at another moment than the profile's forward
     curve is compared with forwards of another speed: a Fractal pass timed in a slow phase priced its drafts above
     break-even against a curve from a fast one. A share of a forward timed beside it moves with neither."""
-    return beside_ms(fn, forward, profile.forward_ms(rows, context), device, repeats)
+    return beside_ms([fn], forward, profile.forward_ms(rows, context), device, repeats)[0]
 
 
-def beside_ms(fn: Callable[[], Any], reference: Callable[[], Any], reference_ms: float, device: torch.device,
-              repeats: int = 5) -> float:
-    """`fn`'s cost where `reference` is priced at `reference_ms`: the two timed in turns, `fn`'s share of `reference`
-    times that price (`beside_forward_ms` says why)."""
-    mechanism, measured = _medians_ms([fn, reference], _sync(device), repeats)
-    return mechanism / measured * reference_ms
+def beside_ms(fns: Sequence[Callable[[], Any]], reference: Callable[[], Any], reference_ms: float,
+              device: torch.device, repeats: int = 5) -> list[float]:
+    """Each of `fns`' cost where `reference` is priced at `reference_ms`: all timed in turns (two ways of doing one
+    thing compare within the same rounds), each one's share of `reference` times that price (`beside_forward_ms`
+    says why)."""
+    *mechanisms, measured = _medians_ms([*fns, reference], _sync(device), repeats)
+    return [mechanism / measured * reference_ms for mechanism in mechanisms]
 
 
 def _sync(device: torch.device) -> Callable[[], None]:

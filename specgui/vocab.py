@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specgui import fastpath, kernels
-from specgui.costs import beside_forward_ms, beside_ms
+from specgui.costs import beside_ms
 from specgui.kvcache import KVCache, to_device
 from specgui.runner import Runner, SkipPlan
 
@@ -130,8 +130,8 @@ def head_ms(profile: CostProfile, runner: Runner, size: int) -> float:
         h = torch.randn(1, 1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device,
                         generator=torch.Generator(runner.device).manual_seed(0))
         with torch.inference_mode():
-            return beside_ms(lambda: runner.logits(h, vocab=vocab), lambda: runner.logits(h), profile.head,
-                             runner.device)
+            return beside_ms([lambda: runner.logits(h, vocab=vocab)], lambda: runner.logits(h), profile.head,
+                             runner.device)[0]
 
     return profile.mechanism(f"draft-head-{size}", measure)
 
@@ -141,8 +141,8 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
     """What a layer-skip draft token costs at a few skip sets with the full head and with a draft vocabulary of `size`
     low ids (and a prompt's worth of others), measured and priced (`python -m specgui profile` prints it): the
     question a draft vocabulary answers is how much cheaper a draft token gets at the same skip set. Measured: one-row
-    forwards after the profile's short context with the skip set's layers left out, each head's timed in turns with a
-    plain forward and priced as its share of it (`costs.beside_forward_ms`: the machine's speed drifts between
+    forwards after the profile's short context with the skip set's layers left out, the two heads' timed in turns
+    with a plain forward, each priced as its share of it (`costs.beside_ms`: the machine's speed drifts between
     phases), on the profile's path (the fast path's static cache and
     programs where it was measured on them); priced: `CostProfile.skip_forward_ms` with the profile's head and with
     `head_ms`. A skip set of n layers is the n layers below the last (every layer of a Llama costs about the same),
@@ -167,8 +167,8 @@ def draft_token_costs(profile: CostProfile, runner: Runner, size: int, shares: I
             skipped = frozenset(range(layers - 1 - n, layers - 1))
             plan = SkipPlan(attn=skipped, mlp=skipped)
             fastpath.adopt(cache, plan)  # on the fast path its program is made before the clock, as a method does
-            full, part = (beside_forward_ms(profile, lambda p=plan, v=v: token(p, v), lambda: token(None, None), 1,
-                                            context, runner.device, repeats) for v in (None, vocab))
+            full, part = beside_ms([lambda p=plan: token(p, None), lambda p=plan: token(p, vocab)],
+                                   lambda: token(None, None), profile.forward_ms(1, context), runner.device, repeats)
             whole, cut = profile.skip_forward_ms(plan, context), profile.skip_forward_ms(plan, context, head)
             rows.append({"layers": n, "full_ms": full, "vocab_ms": part, "full_priced_ms": whole,
                          "vocab_priced_ms": cut, "change": part / full - 1, "priced_change": cut / whole - 1})
