@@ -18,7 +18,8 @@ PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 # (either CPU int8 backend: which one "auto" builds is itself measured)
 MECHANISMS = {"pld.lookup": 0.002, "selfdraft.retrieve": 0.007, "clasp.search.layer.2": 2.4,
               **{f"fractal.pass.{backend}.rows{rows}.ctx{context}": ms + context / 1024
-                 for backend in ("torch-int8", "int8-weight-only") for rows, ms in ((3, 2.2), (5, 2.6))
+                 for backend in ("torch-int8", "int8-weight-only")
+                 for rows, ms in ((3, 2.2), (4, 2.4), (5, 2.6), (7, 3.0))  # windows of 2 and 3 (the CPU preset's)
                  for context in (128, 512)}}
 
 
