@@ -236,6 +236,10 @@ def test_payload_names_layers_origins_and_the_time_split(tiny_lm, carry):
         assert spliced == ("cost_ratio" in payload)
         if spliced:
             assert payload["compressed_ms"] > 0 and payload["target_ms"] > 0 and payload["cost_ratio"] > 0
+            # the compressed time is the upper passes' (guessing: always run) and the lower ones' (re-embedding:
+            # none where every slot kept its tokens, `Splice._kept`)
+            assert payload["upper_ms"] > 0 and payload["lower_ms"] >= 0
+            assert payload["upper_ms"] + payload["lower_ms"] == pytest.approx(payload["compressed_ms"])
             assert 0 <= payload["slots_started_right"] <= 2 * payload["lower_reused"] + 2
     assert sources == ({"carried", "draft forward"} if carry else {"draft forward"})
 

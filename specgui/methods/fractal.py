@@ -44,7 +44,9 @@ model's CPU preset (fractal layers 27, 28) most of the copy: held-out prompts (7
 Payloads: "fractal_layers", "origin" (per draft node, the fractal layer from which its slot guess no
 longer changed; num_layers when only the target's final head proposed it), "source" ("carried" or
 "draft forward"), and the time split "compressed_ms" (compressed passes) / "target_ms" (the target's
-own layers in the same forwards) with their per-pass "cost_ratio", "lower_reused" (lower passes that went on
+own layers in the same forwards) with their per-pass "cost_ratio"; the compressed time itself split into "upper_ms"
+(the copy's upper layers and head: guessing the slots) and "lower_ms" (its lower layers: re-embedding them), which
+on the embedded model's CPU preset is most of it; "lower_reused" (lower passes that went on
 from the previous fractal layer's or from the target's own slot rows, `Splice._kept`) and "slots_started_right" (slots
 whose starting token the first fractal layer guessed too, on the eager CPU path).
 """
@@ -157,7 +159,7 @@ class Splice:
         self.held = torch.tensor(held) if held is not None and self.reuse else None
         self.fresh = self.held is not None
         self.started_right: int | None = None  # leading slots the first fractal layer guessed as they started
-        self.marks: list[tuple[Any, Any]] = []  # (start, end) of each compressed pass
+        self.marks: list[tuple[Any, Any, Any]] = []  # (start, guessed, end) of each compressed pass
         self.span: list[Any] = []  # marks before the first layer and after the last, for the time split
         # where the runner calls this hook (the layers between run as one piece, `runner.PreLayer`)
         self.layers = frozenset(plan.layers) | {0, plan.runner.num_layers}
@@ -176,6 +178,7 @@ class Splice:
         upper = runner.new_pass(self.all_positions, self.cache.view(self.committed))
         x = comp.run(upper, h, range(layer, runner.num_layers))
         guesses = comp.logits(x[0, self.exact - 1 : -1], self.vocab).argmax(-1)  # [w]: anchor, slots 1..w-1 predict
+        guessed = self.plan.clock.mark()
         # lower: layers < `layer` already hold the prefix and this forward's exact rows
         # the forward's own slot keys there are stale (the slots are being replaced): the pass may overwrite them
         seen = self.committed + self.exact
@@ -198,7 +201,7 @@ class Splice:
         self.guesses.append(guesses)
         if self.state is not None:
             self.riders.append(self.state.ride(guesses))
-        self.marks.append((start, self.plan.clock.mark()))
+        self.marks.append((start, guessed, self.plan.clock.mark()))
         return torch.cat([exact, y.to(h.device)], dim=1)
 
     def _kept(self, guesses: torch.Tensor) -> int:
@@ -218,12 +221,14 @@ class Splice:
         changed = (guesses != before).nonzero()
         return int(changed[0]) if len(changed) else len(guesses)
 
-    def times(self) -> tuple[float, float]:
-        """(compressed ms, target ms) of this forward; call once the device is done with it."""
+    def times(self) -> tuple[float, float, float]:
+        """(upper ms, lower ms, target ms) of this forward: the compressed passes' upper layers and head, their lower
+        layers, and the rest of the forward (the target's own layers); call once the device is done with it."""
         clock = self.plan.clock
-        compressed = sum(clock.ms(a, b) for a, b in self.marks)
+        upper = sum(clock.ms(start, guessed) for start, guessed, _ in self.marks)
+        lower = sum(clock.ms(guessed, end) for _, guessed, end in self.marks)
         total = clock.ms(self.span[0], self.span[-1]) if len(self.span) == 2 else 0.0
-        return compressed, total - compressed
+        return upper, lower, total - upper - lower
 
     def slot_tokens(self) -> list[list[int]]:
         """Each fractal layer's slot guesses, from the read that brought them (a rider of the step's verdict, or the
@@ -499,15 +504,16 @@ class Fractal(Drafter):
     def _times(self) -> dict[str, Any]:
         if not self.splices:
             return {}
-        compressed = target = 0.0
+        upper = lower = target = 0.0
         passes = reused = 0
         for splice in self.splices:
-            c, t = splice.times()
-            compressed += c
-            target += t
+            u, lo, t = splice.times()
+            upper, lower, target = upper + u, lower + lo, target + t
             passes += len(splice.marks)
             reused += splice.reused
-        figures: dict[str, Any] = {"compressed_ms": compressed, "target_ms": target, "lower_reused": reused}
+        compressed = upper + lower
+        figures: dict[str, Any] = {"compressed_ms": compressed, "upper_ms": upper, "lower_ms": lower,
+                                   "target_ms": target, "lower_reused": reused}
         started = [s.started_right for s in self.splices if s.started_right is not None]
         if started:
             figures["slots_started_right"] = sum(started)
