@@ -9,11 +9,11 @@ Environment variables (all optional):
                           value counts as "1": a mistyped "no" must not open a public server to everything.
 
 Public means: nothing outside the allowlist and the default loads (no local paths, no other hub models, no remote
-code) and only uploaded files replay as traces. A deployment is public unless its owner says `SPECGUI_PUBLIC=0`
-whenever strangers can reach it: on a Hugging Face Space (`SPACE_ID` is set there), when the server listens on
-an address other than loopback (`GRADIO_SERVER_NAME`), or when an allowlist is set. Safe as pushed: a Space with no
-variables set serves the default model and nothing else. Only a server on 127.0.0.1 (the default) trusts its user
-with any model and any path on their own machine.
+code, no corpus cache but the shipped ones: `ngram_cache.corpus_for`) and only uploaded files replay as traces. A
+deployment is public unless its owner says `SPECGUI_PUBLIC=0` whenever strangers can reach it: on a Hugging Face
+Space (`SPACE_ID` is set there), when the server listens on an address other than loopback (`GRADIO_SERVER_NAME`),
+or when an allowlist is set. Safe as pushed: a Space with no variables set serves the default model and nothing
+else. Only a server on 127.0.0.1 (the default) trusts its user with any model and any path on their own machine.
 
 ZeroGPU (Spaces): `gpu` wraps the function that runs the model in `spaces.GPU` when the `spaces` package
 is present and is a no-op otherwise. This module imports `spaces` before anything imports torch, as

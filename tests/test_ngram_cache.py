@@ -4,7 +4,7 @@ import pytest
 
 from specgui import corpus
 from specgui.errors import SpecGUIError
-from specgui.methods.ngram_cache import CORPUS_DIR, CorpusCache, NgramCache, load_corpus
+from specgui.methods.ngram_cache import CORPUS_DIR, CorpusCache, NgramCache, corpus_for, load_corpus
 
 
 def test_insert_is_most_recent_first_and_evicts_the_oldest():
@@ -54,6 +54,21 @@ def test_corpus_file_round_trip_and_read_only(tmp_path):
         loaded.insert((1,), (2,))
     with pytest.raises(SpecGUIError, match="no corpus cache"):
         load_corpus("no-such-corpus")
+
+
+def test_a_method_gets_a_corpus_for_its_vocabulary_and_on_a_public_server_only_a_shipped_one(tmp_path, monkeypatch):
+    path = tmp_path / "own.npz"
+    CorpusCache({"max_key": 1, "gram": 2, "per_key": 1, "vocab_size": 10}, [((1,), (2, 3))]).save(path)
+    monkeypatch.setenv("SPECGUI_PUBLIC", "0")  # a local server: its user's own files too
+    assert corpus_for(str(path), 10, "selfdraft").table == {(1,): [(2, 3)]}
+    with pytest.raises(SpecGUIError, match=r"vocabulary of 10 tokens, this model has 48: set selfdraft\.corpus"):
+        corpus_for(str(path), 48, "selfdraft")
+    monkeypatch.setenv("SPECGUI_PUBLIC", "1")  # visitors are strangers: no path of theirs is read
+    for name in (str(path), "../../etc/anything.npz", "no-such-corpus"):
+        with pytest.raises(SpecGUIError, match=r"selfdraft\.corpus must name a shipped corpus cache on this server "
+                                               r"\(smollm2 or '' for none\)"):
+            corpus_for(name, 10, "selfdraft")
+    assert corpus_for("smollm2", 49152, "selfdraft").meta["vocab_size"] == 49152
 
 
 def test_build_keeps_the_most_frequent_continuations_seen_often_enough():

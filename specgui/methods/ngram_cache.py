@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from specgui import ASSETS_DIR
+from specgui import ASSETS_DIR, hosting
 from specgui.errors import SpecGUIError
 
 Key = tuple[int, ...]
@@ -117,6 +117,21 @@ class CorpusCache(NgramCache):
             grams[i, : len(gram)] = gram
         header = json.dumps({"format": CORPUS_FORMAT, **self.meta})
         np.savez_compressed(path, keys=keys, grams=grams, header=np.array(header))
+
+
+def corpus_for(name: str, vocab_size: int, method: str) -> CorpusCache:
+    """The corpus cache `name` (`load_corpus`) for a model of `vocab_size` tokens; a one-line error naming `method`'s
+    parameter where it was built for another vocabulary. On a public deployment (`hosting.is_public`) only the
+    shipped caches, by name: a visitor's path would have the server read any .npz file it can reach."""
+    shipped = sorted(p.stem for p in CORPUS_DIR.glob("*.npz"))
+    if hosting.is_public() and name not in shipped:
+        raise SpecGUIError(f"{method}.corpus must name a shipped corpus cache on this server ({', '.join(shipped)} "
+                           f"or '' for none), got {name!r}")
+    corpus = load_corpus(name)
+    if int(corpus.meta["vocab_size"]) != vocab_size:
+        raise SpecGUIError(f"corpus cache {name!r} was built for a vocabulary of {corpus.meta['vocab_size']} tokens, "
+                           f"this model has {vocab_size}: set {method}.corpus to a matching cache, or '' for none")
+    return corpus
 
 
 @cache

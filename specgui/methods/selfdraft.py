@@ -36,9 +36,8 @@ import torch
 
 from specgui.costs import time_ms
 from specgui.draft import Draft, Extras, Outcome
-from specgui.errors import SpecGUIError
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.ngram_cache import CandidateTrie, CorpusCache, NgramCache, hit, load_corpus, within
+from specgui.methods.ngram_cache import CandidateTrie, NgramCache, corpus_for, hit, within
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 
@@ -70,7 +69,8 @@ class SelfDraft(Drafter):
 
     def setup(self, state: DecodeState) -> None:
         p = self.params
-        self.corpus = self._corpus() if p.use_corpus and p.corpus else None
+        self.corpus = (corpus_for(p.corpus, int(self.runner.config.vocab_size), self.name)
+                       if p.use_corpus and p.corpus else None)
         self.retrieve_ms = state.profile.mechanism("selfdraft.retrieve", self._retrieve_ms) if state.profile else 0.0
 
     def begin(self, state: DecodeState) -> None:
@@ -96,15 +96,6 @@ class SelfDraft(Drafter):
         self.context = NgramCache(self.params.max_key, self.params.lru)
         self.context.add_text(text, self.params.gram, range(len(text) - 1))
         return time_ms(lambda: self._retrieve(text, self.params.gram), torch.device("cpu"))
-
-    def _corpus(self) -> CorpusCache:
-        corpus = load_corpus(self.params.corpus)
-        vocab = int(self.runner.config.vocab_size)
-        if int(corpus.meta["vocab_size"]) != vocab:
-            raise SpecGUIError(f"corpus cache {self.params.corpus!r} was built for a vocabulary of "
-                               f"{corpus.meta['vocab_size']} tokens, this model has {vocab}: set "
-                               "selfdraft.corpus to a matching cache, or '' for none")
-        return corpus
 
     # -- 1. draft -------------------------------------------------------------------------------------------
 
