@@ -12,7 +12,7 @@ from __future__ import annotations
 from specgui import hosting  # noqa: F401  (imported for that side effect; the page reads its policy)
 from specgui.errors import SpecGUIError
 from specgui.ui import runs
-from specgui.ui.page import App, launch_options
+from specgui.ui.page import App, launch_options, queue_options
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
         runs.calibrate(lm, [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in app.presets.values()])
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
         print(f"warning: {exc}")
-    app.build().queue(default_concurrency_limit=1).launch(**launch_options())
+    app.build().queue(**queue_options()).launch(**launch_options())
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def generate(
     if static and drafter.pieces():
         fastpath.warm_up(cache, drafter.pieces())  # before the clock starts: no capture is ever timed
     state = DecodeState(runner, cache, list(prompt_ids), len(prompt_ids), sampling, generator, max_new_tokens,
-                        profile, tokenizer=lm.tokenizer, method=method, static=static)
+                        profile, tokenizer=lm.tokenizer, method=method, model=lm.name, static=static)
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,

@@ -49,6 +49,8 @@ from specgui.errors import SpecGUIError
 TRACE_FORMAT = "specgui-trace"
 TRACE_VERSION = 1
 MAX_TRACE_BYTES = 32 * 1024 * 1024
+MAX_DEPTH = 32  # JSON nesting a trace may have (a real one: ~6)
+MAX_LAYERS = 1024  # a trace's num_layers sizes its layer strips and heat maps: no model has more
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,10 @@ def loads_trace(text: str | bytes) -> list[Event]:
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SpecGUIError(f"trace is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SpecGUIError(f"trace is nested deeper than {MAX_DEPTH} levels") from None
+    if _depth(data) > MAX_DEPTH:  # what reads it later recurses: 500 levels broke the replay outside any check
+        raise SpecGUIError(f"trace is nested deeper than {MAX_DEPTH} levels")
     if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT or not isinstance(data.get("events"), list):
         raise SpecGUIError("not a SpecGUI trace (expected an object with format 'specgui-trace' and events)")
     if data.get("version") != TRACE_VERSION:
@@ -304,7 +310,21 @@ def loads_trace(text: str | bytes) -> list[Event]:
             check_step(event)
     if not events or not isinstance(events[0], Start) or sum(isinstance(e, Start) for e in events) != 1:
         raise SpecGUIError("trace must begin with exactly one start event")
+    if not 1 <= events[0].num_layers <= MAX_LAYERS:
+        raise SpecGUIError(f"trace's num_layers must lie in 1..{MAX_LAYERS}, got {events[0].num_layers}")
     return events
+
+
+def _depth(data: Any) -> int:
+    """How deeply JSON data nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        value, level = todo.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def save_trace(events: list[Event], path: str | Path) -> None:
@@ -319,4 +339,8 @@ def load_trace(path: str | Path) -> list[Event]:
         raise SpecGUIError(f"cannot read trace {str(path)!r}: {exc.strerror}") from None
     if size > MAX_TRACE_BYTES:
         raise SpecGUIError(f"trace is larger than {MAX_TRACE_BYTES // 2**20} MiB")
-    return loads_trace(path.read_bytes())
+    try:
+        text = path.read_bytes()
+    except OSError as exc:  # a directory, a file gone meanwhile
+        raise SpecGUIError(f"cannot read trace {str(path)[:200]!r}: {exc.strerror}") from None
+    return loads_trace(text)

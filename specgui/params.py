@@ -7,6 +7,7 @@ and the app builds its sliders from the same metadata (`specs`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ def validate(params: Any) -> None:
             object.__setattr__(params, f.name, value)
         if kind is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
             raise SpecGUIError(f"{f.name} must be {kind.__name__}, got {value!r}")
+        if kind is float and not math.isfinite(value):  # NaN passes every comparison below
+            raise SpecGUIError(f"{f.name} must be a finite number, got {value}")
         if meta.get("choices") and value not in meta["choices"]:
             raise SpecGUIError(f"{f.name} must be one of {', '.join(map(str, meta['choices']))}, got {value!r}")
         if meta.get("low") is not None and value < meta["low"]:

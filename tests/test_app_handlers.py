@@ -135,6 +135,20 @@ def test_method_parameters_out_of_range(app, params, message):
     assert message in error_line(app, run_page(app, params=params))
 
 
+def test_a_float_parameter_must_be_finite(app):
+    """NaN passes every range comparison: refused by name before a method divides or indexes by it."""
+    assert "det must be a finite number, got nan" in error_line(app, run_page(app, method="clasp",
+                                                                             params={"det": float("nan")}))
+    assert_still_serves(app)
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(app):
+    """A 10 MB prompt once took 6 s and 1.6 GB to tokenize, only for the context check to refuse it."""
+    huge = "word " * 400_000  # 2 million characters
+    assert "the prompt has 2,000,000 characters, more than the 1,000,000 taken" in error_line(app, run_page(app, huge))
+    assert "more than the 1,000,000 taken" in api_error(app, huge, "pld", 8, 0.0)
+
+
 def test_unknown_method_and_bad_sampling(app):
     assert "unknown method" in error_line(app, run_page(app, method="nope"))
     assert "unknown method" in api_error(app, PROMPT, "nope", 8, 0.0)
@@ -304,6 +318,17 @@ def test_compare_api_refuses_bad_input_in_one_line(app, args, message):
         app.compare_api(*args)
     assert app.store.busy.acquire(blocking=False)
     app.store.busy.release()
+
+
+def test_a_public_deployment_compares_methods_by_name_within_a_token_budget(app, monkeypatch):
+    """Each suite holds the one device until it ends: on a public server a visitor's is bounded, and method settings
+    (METHOD+KEY=VALUE, which reach every parameter, dv's search included) are not taken."""
+    monkeypatch.setenv("SPECGUI_PUBLIC", "1")
+    with pytest.raises(gr.Error, match=r"methods by name only, without METHOD\+KEY=VALUE"):
+        app.compare_api(["pld+num_draft=2"], "qa", 1, 8, 1)
+    with pytest.raises(gr.Error, match=r"44 prompts x 3 methods x 5 repeats x 1024 tokens is 675,840 new tokens; "
+                                       r"this deployment runs at most 100,000"):
+        app.compare_api(["pld", "selfdraft"], "all categories", 8, 1024, 5)
 
 
 # -- traces ---------------------------------------------------------------------------------------------------

@@ -72,6 +72,34 @@ def test_unknown_calibration_prompt_is_refused(deep_lm, cache_dir):
         decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4, params={**QUICK, "calibration": "nope"})
 
 
+def test_calibration_prompts_count_once_and_at_most_sixteen(deep_lm, cache_dir):
+    """Each calibration sample keeps a prefilled cache through the search: one id repeated 500 times took 23 GB."""
+    assert dv.calibration_ids(" chat-001, code-001,chat-001 ,,") == ["chat-001", "code-001"]
+    same = methods.params_for("dv", "tiny", "cpu", {**QUICK, "calibration": "chat-001,code-001,chat-001"})
+    plain = methods.params_for("dv", "tiny", "cpu", QUICK)
+    assert dv.cache_path(deep_lm.runner, same) == dv.cache_path(deep_lm.runner, plain)
+    many = ",".join(f"chat-{i:03d}" for i in range(1, 18))
+    with pytest.raises(SpecGUIError, match=r"dv\.calibration names 17 prompts; a search takes at most 16"):
+        decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4, params={**QUICK, "calibration": many})
+
+
+def test_a_public_deployment_searches_only_its_configured_setting(deep_lm, cache_dir, monkeypatch):
+    """A visitor's search setting (5000 iterations: about an hour) would hold the one device: on a public server only
+    the configured setting searches; a set already cached still runs."""
+    monkeypatch.setenv("SPECGUI_PUBLIC", "1")
+    with pytest.raises(SpecGUIError, match="searches dv's skip set only with its configured setting"):
+        decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4, params=QUICK)
+    monkeypatch.setenv("SPECGUI_PUBLIC", "0")
+    decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4, params=QUICK)  # searched and cached here
+    monkeypatch.setenv("SPECGUI_PUBLIC", "1")
+    assert decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4, params=QUICK).events[1].payload["search"]["cached"]
+    found = dv.SkipSetResult(attn=[1], mlp=[], objective=1.0, matchness=1.0, draft_cost=0.5, draft_len=3,
+                             iterations=0, seconds=0.0, trace=[1.0])
+    monkeypatch.setattr(dv, "search", lambda *args: found)  # the configured setting searches (quickly, here)
+    result = decode.run(deep_lm, PROMPT, "dv", max_new_tokens=4)
+    assert result.events[1].payload["search"]["cached"] is False and result.events[1].payload["skip"]["attn"] == [1]
+
+
 def test_search_scores_probes_random_and_bayesian_sets_and_keeps_the_best(deep_lm):
     params = methods.params_for("dv", "tiny", "cpu", QUICK)
     with torch.no_grad():

@@ -40,6 +40,25 @@ def test_malformed_traces_are_refused(tiny_lm, mutate, message):
         loads_trace(json.dumps(trace))
 
 
+def test_a_trace_cannot_size_the_page_by_its_header_or_its_nesting(tiny_lm):
+    """A 1.3 KB trace claiming 10^6 layers once took 18 s and 1.6 GB to draw; JSON nested 500 deep broke the replay
+    outside its checks."""
+    trace = _trace(list(decode.generate(tiny_lm, PROMPT, "pld", max_new_tokens=8)))
+    trace["events"][0]["num_layers"] = 10**6
+    with pytest.raises(SpecGUIError, match=r"num_layers must lie in 1..1024, got 1000000"):
+        loads_trace(json.dumps(trace))
+    trace["events"][0]["num_layers"] = 2
+    nested: list = []
+    trace["events"][1]["payload"] = {"deep": nested}
+    for _ in range(600):
+        nested.append([])
+        nested = nested[0]
+    with pytest.raises(SpecGUIError, match="nested deeper than 32 levels"):
+        loads_trace(json.dumps(trace))
+    with pytest.raises(SpecGUIError, match="nested deeper than 32 levels"):
+        loads_trace('{"format": "specgui-trace", "events": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
 def test_garbage_and_huge_traces_are_refused(tmp_path):
     with pytest.raises(SpecGUIError, match="not valid JSON"):
         loads_trace("{nope")
@@ -47,3 +66,5 @@ def test_garbage_and_huge_traces_are_refused(tmp_path):
         loads_trace(" " * (MAX_TRACE_BYTES + 1))
     with pytest.raises(SpecGUIError, match="cannot read"):
         load_trace(tmp_path / "missing.json")
+    with pytest.raises(SpecGUIError, match="cannot read"):
+        load_trace(tmp_path)  # a directory

@@ -53,6 +53,9 @@ def test_decoding_settings():
     assert controls.sampling_from("sampling", 0.7, 1.0, None).seed is None
     with pytest.raises(SpecGUIError, match="temperature"):
         controls.sampling_from("sampling", 0, 1.0, None)
+    for seed in (1e30, -1, float("nan")):  # torch's generator takes 0..2^63 - 1
+        with pytest.raises(SpecGUIError, match="seed"):
+            controls.sampling_from("sampling", 0.7, 1.0, seed)
     cap = controls.max_new_tokens_cap()
     assert controls.clamp_tokens(12.0) == (12, "")
     assert controls.clamp_tokens(cap + 5)[0] == cap and "capped" in controls.clamp_tokens(cap + 5)[1]

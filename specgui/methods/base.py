@@ -51,6 +51,7 @@ class DecodeState:
     step: int = 0
     tokenizer: Any = None  # the model's tokenizer, for drafters that prepare from text of their own (dv)
     method: str = ""  # the method decoding (whose own work `step_ms` prices)
+    model: str = ""  # the model's name, as configs/ match it (dv: the search setting this deployment configures)
     static: bool = False  # the fast path's static cache (on a GPU: programs, and reads that stall the host)
     riders: list[Rider] = field(default_factory=list)  # device values the next verdict read brings back (`ride`)
 

@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from specgui import ASSETS_DIR
+from specgui import ASSETS_DIR, hosting
 from specgui.cachedir import cache_root, exclusive
+from specgui.config import build_params
 from specgui.costs import CostProfile
 from specgui.draft import Outcome
 from specgui.errors import SpecGUIError
@@ -57,6 +58,9 @@ from specgui.vocab import DraftVocab, head_ms
 
 CACHE_FORMAT = "specgui-skipset"
 CALIBRATION_PROMPTS = ASSETS_DIR / "corpus" / "prompts.jsonl"  # never the benchmark suite
+MAX_CALIBRATION = 16  # calibration prompts a search takes (`calibration_ids`)
+# the parameters a searched skip set depends on: its cache key, and what a public deployment keeps as configured
+SEARCH_SETTING = ("iterations", "init_points", "calibration", "calibration_tokens", "max_draft", "draft_vocab")
 MAX_DENSITY = 0.7  # random vectors skip at most this share of the sub-layers
 KAPPA = 2.576  # bayes_opt's default UCB exploration, which the D&V code leaves unchanged
 
@@ -119,6 +123,15 @@ class Sample:
     prefix: int
     text: list[int]
     vocab: DraftVocab | None = None
+
+
+def calibration_ids(text: str) -> list[str]:
+    """The calibration prompts' ids in `text` (comma-separated), each once, at most MAX_CALIBRATION: every sample keeps
+    a prefilled cache (~45 MB on SmolLM2-135M) through the search, and one id repeated 500 times exhausted 23 GB."""
+    ids = list(dict.fromkeys(i.strip() for i in text.split(",") if i.strip()))
+    if len(ids) > MAX_CALIBRATION:
+        raise SpecGUIError(f"dv.calibration names {len(ids)} prompts; a search takes at most {MAX_CALIBRATION}")
+    return ids
 
 
 def calibrate(runner: Runner, tokenizer: Any, ids: list[str], tokens: int, draft_vocab: int = 0) -> list[Sample]:
@@ -242,25 +255,29 @@ def _fingerprint(runner: Runner) -> str:
 
 def cache_path(runner: Runner, params: DvParams) -> Path:
     """Where the skip set for this model, device type and search setting lives."""
-    setting = {k: getattr(params, k) for k in ("iterations", "init_points", "calibration", "calibration_tokens",
-                                                "max_draft", "draft_vocab")}
+    setting = {k: getattr(params, k) for k in SEARCH_SETTING}
+    setting["calibration"] = ",".join(calibration_ids(params.calibration))
     tag = hashlib.sha256(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:8]
     return cache_root() / "skipsets" / f"dv-{fingerprint(runner)}-{runner.device.type}-{tag}.json"
 
 
-def load_or_search(runner: Runner, tokenizer: Any, params: DvParams,
-                   profile: CostProfile) -> tuple[SkipSetResult, bool]:
+def load_or_search(runner: Runner, tokenizer: Any, params: DvParams, profile: CostProfile,
+                   may_search: bool = True) -> tuple[SkipSetResult, bool]:
     """The cached skip set for this model and setting, or a new search priced by `profile` (then cached); and
-    whether it was cached."""
+    whether it was cached. Where not `may_search` (a public deployment, another setting than it configures), a
+    setting with no cached set is refused in one line: a visitor's search can hold the one device for hours."""
     path = cache_path(runner, params)
     found = _read_skipset(path)
     if found is not None:
         return found, True
+    if not may_search:
+        raise SpecGUIError("this deployment searches dv's skip set only with its configured setting (configs/dv.yaml): "
+                           f"{', '.join(k for k in SEARCH_SETTING if k != 'draft_vocab')} stay as configured here")
     with exclusive(path):  # processes sharing the cache search once: a waiting one reads what the first found
         found = _read_skipset(path)
         if found is not None:
             return found, True
-        ids = [i.strip() for i in params.calibration.split(",") if i.strip()]
+        ids = calibration_ids(params.calibration)
         with torch.inference_mode():
             samples = calibrate(runner, tokenizer, ids, params.calibration_tokens, params.draft_vocab)
             head = head_ms(profile, runner, params.draft_vocab) if samples[0].vocab is not None else None
@@ -294,7 +311,16 @@ class DraftVerify(LayerSkipDrafter):
         super().setup(state)
         if state.profile is None:
             raise SpecGUIError("dv prices its skip-set search with the model's cost profile; none is at hand")
-        self.found, self.cached = load_or_search(self.runner, state.tokenizer, self.params, state.profile)
+        self.found, self.cached = load_or_search(self.runner, state.tokenizer, self.params, state.profile,
+                                                 may_search=self._may_search(state))
+
+    def _may_search(self, state: DecodeState) -> bool:
+        """Whether this run may search a skip set not cached yet: anywhere but on a public deployment, and there
+        with the setting configs/ give this model and device (the one a deployment searches ahead of time)."""
+        if not hosting.is_public():
+            return True
+        configured = build_params(self.name, DvParams, state.model, self.runner.device.type)
+        return all(getattr(self.params, k) == getattr(configured, k) for k in SEARCH_SETTING)
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)

@@ -123,8 +123,12 @@ def sampling_from(mode: str, temperature: float, top_p: float, seed: float | Non
     temperature = number(temperature, "temperature")
     if temperature <= 0:
         raise SpecGUIError("sampling needs a temperature above 0 (or choose greedy)")
-    return Sampling(temperature=temperature, top_p=number(top_p, "top-p"),
-                    seed=None if seed is None or seed == "" else int(number(seed, "seed")))
+    if seed is None or seed == "":
+        return Sampling(temperature=temperature, top_p=number(top_p, "top-p"))
+    whole = number(seed, "seed")
+    if not 0 <= whole < 2**63:  # what torch's generator takes
+        raise SpecGUIError(f"the seed must be a whole number from 0 to 2^63 - 1, got {whole:.3g}")
+    return Sampling(temperature=temperature, top_p=number(top_p, "top-p"), seed=int(whole))
 
 
 def number(value: Any, what: str) -> float:

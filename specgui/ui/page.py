@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import queue
 import re
 import shutil
@@ -59,6 +60,11 @@ CHART_S = 4.0  # charts are whole-figure updates (costly in the browser): redraw
 RACE_FRAME_S = 0.25  # the race decodes nothing, so it can draw more often than a live run
 API_FRAME_S = 0.25  # API batches: 0.05 s cost the decode 10-13% tok/s on 2 cores (serialising), 0.25 s 1-4%
 MAX_REPEATS = 5
+# a public deployment's suites: at most this many new tokens in all (prompts x methods with baseline x repeats x
+# tokens; ~30 minutes of a 2-core CPU Space), and methods by name only: the longest, 44 prompts x 9 methods x 5
+# repeats x 1024 tokens, held the one device for ~19 hours, and METHOD+KEY=VALUE entries made it unbounded
+PUBLIC_SUITE_TOKENS = 100_000
+QUEUE_SIZE = 64  # requests waiting for the device; more are refused at once (gradio's queue `max_size`)
 RACE_SPEEDS = [("1×", 1.0), ("0.5×", 0.5), ("0.25×", 0.25)]
 INTRO = """# SpecGUI
 Self-speculative decoding, one draft → verify step at a time. Pick a preset and press **Run**: the method and
@@ -97,6 +103,8 @@ def _failure(exc: Exception) -> str:
 def _upload_path(file: Any) -> str:
     """The path of an uploaded file; on a public deployment only files inside gradio's upload folder."""
     path = str(getattr(file, "path", None) or getattr(file, "name", None) or file)
+    if "\0" in path:
+        raise SpecGUIError("a file path cannot hold a NUL character")
     if hosting.is_public() and not Path(path).resolve().is_relative_to(Path(gr.utils.get_upload_folder()).resolve()):
         raise SpecGUIError("only uploaded trace files can be replayed on this deployment")
     return path
@@ -360,7 +368,8 @@ class App:
     def inspect(self, step: float, views: Pair | None) -> str:
         if not views:
             return render.step_detail(RunView(), 0)
-        return render.step_detail(views[METHOD], int(step) - 1, self._token_text(views[METHOD]))
+        index = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else 1  # the slider's, or junk
+        return render.step_detail(views[METHOD], index - 1, self._token_text(views[METHOD]))
 
     def _token_text(self, view: RunView) -> TokenText | None:
         """Token -> text while the run's model is loaded (a replay of another model's trace shows ids)."""
@@ -574,6 +583,14 @@ class App:
         rows, names, paper = compare.choose(load_prompts(), names, str(category), per_category, preset)
         max_new = _whole(max_new, "max new tokens", 1, controls.max_new_tokens_cap())
         repeats = _whole(repeats, "repeats", 1, MAX_REPEATS)
+        if hosting.is_public():
+            if paper is None and any("+" in name for name in names):
+                raise SpecGUIError("this deployment compares methods by name only, without METHOD+KEY=VALUE settings")
+            tokens = len(rows) * (len(names) + 1) * repeats * max_new
+            if tokens > PUBLIC_SUITE_TOKENS:
+                raise SpecGUIError(f"{len(rows)} prompts x {len(names) + 1} methods x {repeats} repeats x {max_new} "
+                                   f"tokens is {tokens:,} new tokens; this deployment runs at most "
+                                   f"{PUBLIC_SUITE_TOKENS:,}: fewer prompts, methods, repeats or tokens")
         lm = self._loaded()
         job = runs.DEVICE.submit(contextvars.copy_context().run, compare.run_suite, lm, rows, names,
                                  max_new_tokens=max_new, repeats=repeats, sampling=Sampling(), stop=stop,
@@ -708,7 +725,7 @@ def _model_help() -> str:
 def served_locally(app: App) -> Iterator[str]:
     """`app`'s page launched as app.py launches it (one queue, the page's theme), on a free loopback port, for a
     headless browser or a client in this process (a test, the stage picture): its URL, closed afterwards."""
-    demo = app.build().queue(default_concurrency_limit=1)
+    demo = app.build().queue(**queue_options())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -717,6 +734,11 @@ def served_locally(app: App) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/"
     finally:
         demo.close()
+
+
+def queue_options() -> dict[str, Any]:
+    """The one queue every event waits in (one device: one at a time), bounded (`QUEUE_SIZE`)."""
+    return {"default_concurrency_limit": 1, "max_size": QUEUE_SIZE}
 
 
 def launch_options() -> dict[str, Any]:
