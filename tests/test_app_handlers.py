@@ -201,7 +201,7 @@ def test_a_public_deployment_serves_only_its_models_and_uploaded_traces(app, tin
 
 
 def test_every_model_event_shares_one_queue_slot(app):
-    demo = app.build().queue(default_concurrency_limit=1)
+    demo = app.build().queue(**page_module.queue_options())
     fns = {fn.api_name: fn for fn in demo.fns.values() if fn.api_name}
     for name in ("page_run", "page_race", "page_replay", "page_compare", "generate", "compare"):
         assert (fns[name].concurrency_id, fns[name].concurrency_limit) == ("model", 1), name

@@ -272,7 +272,7 @@ def load_or_search(runner: Runner, tokenizer: Any, params: DvParams, profile: Co
         return found, True
     if not may_search:
         raise SpecGUIError("this deployment searches dv's skip set only with its configured setting (configs/dv.yaml): "
-                           f"{', '.join(k for k in SEARCH_SETTING if k != 'draft_vocab')} stay as configured here")
+                           f"{', '.join(SEARCH_SETTING)} stay as configured here")
     with exclusive(path):  # processes sharing the cache search once: a waiting one reads what the first found
         found = _read_skipset(path)
         if found is not None:

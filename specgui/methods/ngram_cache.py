@@ -123,8 +123,7 @@ def corpus_for(name: str, vocab_size: int, method: str) -> CorpusCache:
     """The corpus cache `name` (`load_corpus`) for a model of `vocab_size` tokens; a one-line error naming `method`'s
     parameter where it was built for another vocabulary. On a public deployment (`hosting.is_public`) only the
     shipped caches, by name: a visitor's path would have the server read any .npz file it can reach."""
-    shipped = sorted(p.stem for p in CORPUS_DIR.glob("*.npz"))
-    if hosting.is_public() and name not in shipped:
+    if hosting.is_public() and name not in (shipped := sorted(p.stem for p in CORPUS_DIR.glob("*.npz"))):
         raise SpecGUIError(f"{method}.corpus must name a shipped corpus cache on this server ({', '.join(shipped)} "
                            f"or '' for none), got {name!r}")
     corpus = load_corpus(name)
