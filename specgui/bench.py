@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from specgui import costs, decode, fastpath, methods
+from specgui import compiled, costs, decode, fastpath, methods
 from specgui.costs import CostProfile, describe_origin
 from specgui.equality import first_divergence, logit_noise
 from specgui.errors import SpecGUIError
@@ -62,6 +62,7 @@ def _hf_generate(lm: LoadedModel, ids: list[int], max_new: int, sampling: Sampli
     return out[0, len(ids) :].tolist(), wall
 
 
+STATIC = "hf-static"  # transformers' generate over a static cache, compiled: on a GPU every method is shown against it
 REFERENCES: dict[str, Callable] = {
     "hf-generate": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s),
     "hf-pld": lambda lm, ids, n, s: _hf_generate(lm, ids, n, s, lookup=10),
@@ -159,6 +160,7 @@ class Settings:
     repeats: int = 1
     sampling: Sampling = GREEDY
     fast_path: str = "auto"
+    compile: str = "auto"  # the fast path's programs compiled (`specgui.compiled`)
 
 
 def bench(
@@ -185,6 +187,7 @@ def bench(
         if entry.method not in REFERENCES:
             methods.params_for(entry.method, lm.name, lm.runner.device.type, entry.params)
     fast = fastpath.resolve(settings.fast_path, lm.runner)
+    lm.runner.compile_mode = compiled.checked(settings.compile)
     encoded = [row.encode(lm.tokenizer) for row in rows]
 
     def untimed(what: str, fn: Callable[[], Any]) -> Any:
@@ -331,7 +334,8 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
     by_label = {label: [runs[(r.id, label)] for r in rows] for label in labels}
     report: dict[str, Any] = {
         "model": lm.name, "device": str(lm.runner.device), "dtype": str(lm.runner.dtype).removeprefix("torch."),
-        "fast_path": profile.key["fast_path"], "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
+        "fast_path": profile.key["fast_path"], "compiled": bool(profile.key.get("compiled")),
+        "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
         "sampling": sampling.to_dict(), "prompts": len(rows), "complete": complete, "logit_noise": noise,
         "methods": {}, "categories": {}, "per_prompt": [], "profile": {}, "cost_profile": _profile_json(profile),
         "entries": {e.label: {"method": e.method, "params": e.params or {}} for e in entries},
@@ -339,6 +343,8 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
     for label in labels:
         report["methods"][label] = _aggregate(by_label[label], sampling.greedy, by_label[base_label])
         report["profile"][label] = _profile(by_label[label])
+        if STATIC in by_label:  # the reference a GPU user knows: transformers' compiled static-cache generate
+            report["methods"][label]["vs_hf_static"] = paired_speedup(by_label[label], by_label[STATIC])
     for cat in categories:
         base_runs = [r for r in by_label[base_label] if r.category == cat]
         report["categories"][cat] = {
@@ -378,7 +384,7 @@ def _profile(group: list[Run]) -> dict[str, float]:
 
 def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
     """Plain-text tables: per method, per category, divergences (and phase profile)."""
-    path = "fast path" if report["fast_path"] else "eager"
+    path = ("fast path, compiled" if report.get("compiled") else "fast path") if report["fast_path"] else "eager"
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}, {path}), {report['prompts']} "
              f"prompts, max {report['max_new_tokens']} new tokens, {report['repeats']} repeat(s) paired by round, "
              f"temperature {report['sampling']['temperature']}",
@@ -390,8 +396,9 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
         lines.append(f"predicted by the cost profile {origin}" + (f" ({priced['file']})" if priced.get("file") else ""))
     if not report["complete"]:
         lines.append("INCOMPLETE: the bench stopped before every prompt ran")
+    static = any("vs_hf_static" in agg for agg in report["methods"].values())
     header = (f"{'method':<12} {'tok/s':>7} {'speedup':>8} {'predicted':>9} {'ceiling':>8} {'tau':>6} {'accept':>7} "
-              f"{'identical':>10} {'ties':>5}")
+              f"{'identical':>10} {'ties':>5}" + (f" {'vs ' + STATIC:>13}" if static else ""))
 
     def row(name: str, agg: dict[str, Any]) -> str:
         tau = f"{agg['mean_accepted']:.2f}" if agg["mean_accepted"] is not None else "-"
@@ -400,8 +407,9 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
         ties = str(agg["ties"]) if agg["ties"] is not None else "-"
         pred = f"{agg['predicted_speedup']:.2f}x" if agg.get("predicted_speedup") is not None else "-"
         top = f"{agg['ceiling']:.2f}x" if agg.get("ceiling") is not None else "-"
+        versus = f" {agg['vs_hf_static']:>12.2f}x" if "vs_hf_static" in agg else (" " * 14 if static else "")
         return (f"{name:<12} {agg['tokens_per_s']:>7.2f} {agg['speedup']:>7.2f}x {pred:>9} {top:>8} {tau:>6} "
-                f"{acc:>7} {ident:>10} {ties:>5}")
+                f"{acc:>7} {ident:>10} {ties:>5}" + versus)
 
     lines += ["", "overall", header] + [row(n, a) for n, a in report["methods"].items()]
     for cat, per in report["categories"].items():

@@ -58,8 +58,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter override (bench: METHOD.KEY=VALUE); repeatable")
+    _path_args(p)
+
+
+def _path_args(p: argparse.ArgumentParser) -> None:
+    """The decoding path: the fast path (static shapes, CUDA graphs) and whether its programs are compiled."""
     p.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto",
                    help="static shapes and CUDA graphs (auto: on a CUDA GPU; see specgui/fastpath.py)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="the fast path's programs as inductor's kernels, compiled once per machine (auto: on a CUDA "
+                        "GPU; on: a CPU too, slow to compile; see specgui/compiled.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,14 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     demos = sub.add_parser("presets", help="measure every demo preset (configs/demos.yaml) against plain decoding")
     demos.add_argument("--repeats", type=int, default=3)
     _output_args(demos, "presets")
-    demos.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
+    _path_args(demos)
     add_model_args(demos)
 
     sub.add_parser("methods", help="list methods and their parameters")
 
     prof = sub.add_parser("profile", help="the cost model's measured profile of a model on this device")
     prof.add_argument("--refresh", action="store_true", help="measure again instead of reading the saved profile")
-    prof.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto")
+    _path_args(prof)
     prof.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
                       help="also time a layer-skip draft token with the full LM head and over a draft vocabulary of N "
                            "ids (0: not)")
@@ -114,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and logs")
     check.add_argument("--quick", action="store_true", help="the short form (CI on a CPU): few tokens, toy shapes")
     check.add_argument("--sections", default=None, help="comma-separated subset (default: all): "
-                       "tests, identity, bf16, bench, shapes, syncs_launches, capture, switch, sdpa, dispatch")
+                       "bench, floors, dispatch, tests, identity, bf16, syncs_launches, capture, switch, sdpa")
     check.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
     check.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    check.add_argument("--prompts", type=int, default=None, help="bench prompts (default: 8 on a GPU, 4 on a CPU)")
+    check.add_argument("--tokens", type=int, default=None, help="bench new tokens (default: 64 on a GPU, 48 on a CPU)")
     _output_args(check, "gpucheck", with_json=False)  # --out holds its report.json
 
     suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
@@ -157,9 +167,11 @@ def _sampling(args: argparse.Namespace):
 def load_model(args: argparse.Namespace):
     from specgui.loading import ModelSpec, load
 
-    return load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                          quantization=args.quantization, trust_remote_code=args.trust_remote_code,
-                          small_batch_matmul=args.small_batch_matmul == "on"))
+    lm = load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                        quantization=args.quantization, trust_remote_code=args.trust_remote_code,
+                        small_batch_matmul=args.small_batch_matmul == "on"))
+    lm.runner.compile_mode = getattr(args, "compile", "auto")
+    return lm
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -208,7 +220,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     results.writable(args.json)
     lm = load_model(args)
     settings = bench.Settings(max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=sampling,
-                              fast_path=args.fast_path)
+                              fast_path=args.fast_path, compile=args.compile)
     device = str(lm.runner.device)
     origin = results.provenance(device, args.argv)
 
@@ -248,7 +260,8 @@ def cmd_presets(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {"provenance": results.provenance(device, args.argv), "model": lm.name,
                            "repeats": args.repeats, "presets": []}
     for preset in chosen:
-        settings = bench.Settings(max_new_tokens=preset.max_new_tokens, repeats=args.repeats, fast_path=args.fast_path)
+        settings = bench.Settings(max_new_tokens=preset.max_new_tokens, repeats=args.repeats, fast_path=args.fast_path,
+                                  compile=args.compile)
         entries = bench.entries_for([preset.method], {preset.method: preset.params})
         report = bench.bench(lm, [preset.example.row], entries, settings)
         row = {"name": preset.name, "method": preset.method, "prompt": preset.example.row.id,
@@ -333,9 +346,10 @@ def cmd_gpucheck(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise SpecGUIError(f"--out {args.out!r} is a file, not a folder")
     chosen = [n.strip() for n in args.methods.split(",") if n.strip()] if args.methods else None
-    opts = gpucheck.options(args.device, args.quick, chosen)
+    opts = gpucheck.options(args.device, args.quick, chosen, prompts=args.prompts, tokens=args.tokens)
     flags = [("--quick", args.quick), (f"--sections {args.sections}", args.sections),
-             (f"--methods {args.methods}", args.methods), (f"--device {args.device}", args.device != "auto")]
+             (f"--methods {args.methods}", args.methods), (f"--device {args.device}", args.device != "auto"),
+             (f"--prompts {args.prompts}", args.prompts), (f"--tokens {args.tokens}", args.tokens)]
     command = " ".join(["python -m specgui gpucheck --out", args.out] + [flag for flag, given in flags if given])
     device = "cuda" if opts.cuda else "cpu"
     report = gpucheck.run(out, opts, names, command=command, provenance=results.provenance(device, args.argv),
@@ -343,7 +357,8 @@ def cmd_gpucheck(args: argparse.Namespace) -> int:
     print(gpucheck.summary_table(report))
     print(f"\n{report['seconds']:.0f} s; report in {out / 'report.md'} and {out / 'report.json'}")
     # the dispatch counts alone (any device, CI's CPU included) are a result of their own: not a GPU's check
-    results.write("dispatch" if names == ["dispatch"] else "gpucheck", report, device, None, args.save)
+    kind = names[0] if names in (["dispatch"], ["floors"]) else "gpucheck"  # results of their own
+    results.write(kind, report, device, None, args.save)
     return 1 if any(t["pass"] is False for t in report["targets"]) else 0
 
 

@@ -81,7 +81,8 @@ CALIBRATION_DECAY = 0.9  # weight of a step's predecessors in a calibration rati
 CALIBRATION_PRIOR = 0.25  # a ratio starts from what the other row counts show, with this many steps' weight
 CALIBRATION_CLIP = math.log(2.0)  # an observation counts as at most this far (in log) from the ratio it meets
 WORK_SHARE = 0.1  # a step's own work below this share of its verify's price teaches the verify ratio
-_PROFILES: weakref.WeakKeyDictionary[Runner, dict[bool, CostProfile]] = weakref.WeakKeyDictionary()
+# per runner, by (fast path, compiled programs)
+_PROFILES: weakref.WeakKeyDictionary[Runner, dict[tuple[bool, bool], CostProfile]] = weakref.WeakKeyDictionary()
 _BY_FILE: dict[str, CostProfile] = {}  # every profile this process measured or checked, by file: one per shape
 Decode = Callable[..., Any]  # `specgui.decode.run`: (lm, prompt ids, method, **options) -> a result with `steps`
 _decoder: Decode | None = None
@@ -416,19 +417,20 @@ def lookup(lm: Any, fast_path: bool, *, run: Decode | None = None) -> tuple[Cost
     """The profile this process already holds for the model (None: no check needed), else the saved one with
     its `Drift` measured now (kept for the process only when not stale), else (None, None)."""
     known = _PROFILES.setdefault(lm.runner, {})
-    if fast_path in known:
-        return known[fast_path], None
+    which = _which(lm, fast_path)
+    if which in known:
+        return known[which], None
     key = profile_key(lm, fast_path)
     path = _path(lm, key)
     if str(path) in _BY_FILE and _BY_FILE[str(path)].key == key:
-        known[fast_path] = _BY_FILE[str(path)]
-        return known[fast_path], None
+        known[which] = _BY_FILE[str(path)]
+        return known[which], None
     profile = _read(path, key)
     if profile is None:
         return None, None
     drift = check(lm, profile, run=run)
     if not drift.stale:
-        known[fast_path] = _BY_FILE[str(path)] = profile
+        known[which] = _BY_FILE[str(path)] = profile
     return profile, drift
 
 
@@ -444,7 +446,7 @@ def remeasure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostPro
             profile = measure(lm, fast_path, run=run)
         profile.path = str(path)  # a profile read back names its file too (mechanisms are saved into it)
         profile.save()
-    _PROFILES.setdefault(lm.runner, {})[fast_path] = _BY_FILE[str(path)] = profile
+    _PROFILES.setdefault(lm.runner, {})[_which(lm, fast_path)] = _BY_FILE[str(path)] = profile
     return profile
 
 
@@ -594,6 +596,11 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
+def _which(lm: Any, fast_path: bool) -> tuple[bool, bool]:
+    """The path a profile is measured on: the fast path or not, and whether its programs are compiled."""
+    return fast_path, fast_path and fastpath.compiles_for(lm.runner)
+
+
 def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:
     """What a profile is valid for: the model's shape (not its weights), the device, dtype, path and versions."""
     runner = lm.runner
@@ -605,7 +612,8 @@ def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:
     shape = {k: config.get(k) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}
     return {"model": lm.name, "shape": shape, "device": device, "dtype": str(runner.dtype).removeprefix("torch."),
-            "fast_path": fast_path, "matmul": signature(lm.model), "layers": cpu_layers.signature(lm.model),
+            "fast_path": fast_path, "compiled": _which(lm, fast_path)[1],
+            "matmul": signature(lm.model), "layers": cpu_layers.signature(lm.model),
             "kernel": build() if runner.device.type == "cpu" else None, "torch": torch.__version__,
             "specgui": __version__, "code": code_digest()}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specgui import costs, fastpath, kvcache, methods
+from specgui import compiled, costs, fastpath, kvcache, methods
 from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
 from specgui.errors import SpecGUIError
@@ -106,17 +106,22 @@ def generate(
     prompt_text: str = "",
     should_stop: Callable[[], bool] | None = None,
     fast_path: str = "auto",
+    compile: str | None = None,
     profile: CostProfile | None = None,
 ) -> Iterator[Event]:
     """Decode with `method`, yielding Start, Prefill, one Step per cycle, then Summary.
 
     `fast_path` ("auto": on a CUDA GPU, "on", "off") runs every forward in static shapes over a
     fixed-capacity cache, as CUDA graph replays on a GPU (`specgui.fastpath`); the tokens are the same.
+    `compile` ("auto": on a CUDA GPU, "on", "off"; None: as the runner was last told) makes those programs run
+    inductor's kernels (`specgui.compiled`): the same tokens as plain decoding on the same path.
     `profile` is the cost model methods size their drafts by and steps are priced with (default: the
     model's on this path, measured on first use, before any timing starts).
     """
     _check_request(lm, prompt_ids, max_new_tokens)
     runner = lm.runner
+    if compile is not None:
+        runner.compile_mode = compiled.checked(compile)
     drafter = methods.create(method, runner, lm.name, sampling, params)
     generator = None if sampling.greedy else sampling.generator(runner.head_device)
     static = fastpath.resolve(fast_path, runner)
@@ -132,7 +137,8 @@ def generate(
     detok = Detokenizer(lm.tokenizer, prompt_ids)
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
-                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static, costs=profile.curve())
+                prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static,
+                compiled=static and cache.compiled, costs=profile.curve())
 
     with torch.inference_mode():
         drafter.setup(state)  # one-time work (a skip-set search, first-use timings): before the clock starts

@@ -68,6 +68,7 @@ class Start:
     prompt_ids: tuple[int, ...]
     prompt_text: str
     fast_path: bool = False  # static shapes and, on a GPU, CUDA graphs (`specgui.fastpath`)
+    compiled: bool = False  # the fast path's programs run inductor's kernels (`specgui.compiled`)
     costs: dict[str, Any] = field(default_factory=dict)  # the cost profile's forward curve (`CostProfile.curve`)
 
 

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specgui import compiled
 from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, KVCache, Layout, to_device
 from specgui.runner import ATTN, MLP, Observer, Pass, Runner, SkipPlan, kept_units, sublayer, unit_index
@@ -100,8 +101,9 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
     the model (a module-level table would keep every model ever loaded alive, graphs and all).
     """
     cache = runner.static_cache
-    if cache is None or cache.capacity < needed + SLACK:
-        capacity = 256
+    compiles = compiles_for(runner)
+    if cache is None or cache.capacity < needed + SLACK or cache.compiled != compiles:
+        capacity = 256 if cache is None or cache.compiled != compiles else cache.capacity
         while capacity < needed + SLACK:
             capacity *= 2
         runner.static_cache = None  # the old cache's buffers and graphs go before the new ones are made
@@ -109,6 +111,11 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
         warm_up(cache)
     cache.crop(0)
     return cache
+
+
+def compiles_for(runner: Runner) -> bool:
+    """Whether the runner's fast-path programs run compiled kernels, by its `compile_mode` (`compiled.resolve`)."""
+    return compiled.resolve(runner.compile_mode, runner.device, True)
 
 
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
@@ -160,9 +167,11 @@ def stats(runner: Runner) -> dict[str, Any]:
     """What the runner's fast path holds: programs, captured graphs, failed captures, time and memory."""
     cache = runner.static_cache
     if cache is None:
-        return {"programs": 0, "graphs": 0, "whole_graphs": 0, "failed": 0, "capture_s": 0.0, "graph_bytes": 0}
+        return {"programs": 0, "graphs": 0, "whole_graphs": 0, "failed": 0, "capture_s": 0.0, "graph_bytes": 0,
+                "compiled": False}
     programs = cache.programs.values()
-    return {"programs": len(cache.programs), "graphs": sum(p.graph is not None for p in programs),
+    return {"programs": len(cache.programs), "compiled": cache.compiled,
+            "graphs": sum(p.graph is not None for p in programs),
             "whole_graphs": sum(p.graph is not None for k, p in cache.programs.items() if k[1] == FORWARD),
             "failed": sum(p.failed for p in programs), "capture_s": cache.capture_s,
             "graph_bytes": cache.graph_bytes}
@@ -208,6 +217,8 @@ class StaticKVCache(KVCache):
         self.capacity = capacity
         self.columns = capacity + SCRATCH
         self.graphs = runner.device.type == "cuda" and runner.capturable
+        self.compiled = compiles_for(runner)
+        self.shape = compiled.shape_of(config, runner.device)
         shape = (1, heads, self.columns, head_dim)
         device = runner.device
         self.keys = [torch.zeros(shape, dtype=runner.dtype, device=device) for _ in range(runner.num_layers)]
@@ -257,10 +268,9 @@ class StaticKVCache(KVCache):
         """The program running `kind` of `block` (a decoder layer or a stand-in for layer `layer`) at a bucket."""
         key = _key(block, kind, inputs.rows)
         if key not in self.programs:
-            mask = inputs.mask[layer]
 
             def run(x: torch.Tensor) -> torch.Tensor:
-                return sublayer(block, kind, x, (inputs.cos, inputs.sin), mask, inputs.positions, inputs)
+                return self.units(block, layer, (kind,), x, inputs)
 
             example = torch.zeros(1, inputs.rows, self.runner.config.hidden_size, dtype=self.runner.dtype,
                                   device=self.runner.device)
@@ -293,10 +303,13 @@ class StaticKVCache(KVCache):
                 h = runner.embed(x) if embeds else x
                 states = [h]
                 for layer in layers:
+                    kinds = tuple(kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind))
+                    if not record:
+                        h = self.units(blocks[layer], layer, kinds, h, inputs)
+                        continue
                     for kind in (ATTN, MLP):
-                        if skip is None or not skip.skips(layer, kind):
-                            h = sublayer(blocks[layer], kind, h, (inputs.cos, inputs.sin), inputs.mask[layer],
-                                         inputs.positions, inputs)
+                        if kind in kinds:
+                            h = self.units(blocks[layer], layer, (kind,), h, inputs)
                         states.append(h)
                 return torch.stack(states) if record else h
 
@@ -305,6 +318,25 @@ class StaticKVCache(KVCache):
             capturable = all(getattr(blocks[layer], "capturable", True) for layer in layers)
             self.programs[key] = Program(run, example, self, capturable)
         return self.programs[key]
+
+
+    def units(self, block: nn.Module, layer: int, kinds: tuple[int, ...], h: torch.Tensor,
+              inputs: BucketInputs) -> torch.Tensor:
+        """Sub-layers `kinds` of layer `layer` (of `block`, the layer or a stand-in) on hidden states [1, Tb, H], in a
+        program's function: the compiled functions with the layer's weights and cache buffers (`specgui.compiled`; a
+        whole layer as one function) where this cache compiles and the block has their shape, else the modules."""
+        if not kinds:
+            return h
+        if not self.compiled or not compiled.supported(block):
+            for kind in kinds:
+                h = sublayer(block, kind, h, (inputs.cos, inputs.sin), inputs.mask[layer], inputs.positions, inputs)
+            return h
+        weights = compiled.weights_of(block)
+        if kinds == (MLP,):
+            return compiled.compiled("mlp")(h, weights, self.shape)
+        return compiled.compiled("layer" if len(kinds) == 2 else "attention")(
+            h, weights, self.keys[layer], self.values[layer], inputs.cos, inputs.sin, inputs.mask[layer],
+            inputs.index[layer], self.shape)
 
 
 class StaticView:
@@ -439,12 +471,15 @@ class Program:
         self.ready = False
 
     def prepare(self) -> None:
-        """Capture now (CUDA) or mark ready (elsewhere); called once, before the first call."""
+        """Capture now (CUDA), or, where the cache compiles, run once now so that its functions compile here rather
+        than inside a timed step (elsewhere); called once, before the first call. The time goes to `capture_s`."""
         self.ready = True
+        started = time.perf_counter()
         if self.graphs:
-            started = time.perf_counter()
             self._capture()
-            self.store.capture_s += time.perf_counter() - started
+        elif self.store.compiled:
+            self.fn(self.input)
+        self.store.capture_s += time.perf_counter() - started
 
     def __call__(self) -> torch.Tensor:
         if not self.ready:

@@ -123,13 +123,14 @@ def _dispatch(data: dict[str, Any]) -> list[str]:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "heldout": _heldout, "presets": _presets, "profile": _profile, "suite": _suite, "gpucheck": _gpucheck,
-    "dispatch": _dispatch}
+    "floors": _gpucheck, "dispatch": _dispatch}
 COMMANDS = {  # what to run where a block has no JSON yet
     "heldout": "python -m specgui bench --prompts assets/heldout.jsonl --limit 1 --repeats 3 --max-new-tokens 64 "
                "--methods baseline,hf-generate,pld,clasp,admg,selfdraft,fractal,swift,dv,lookahead --save",
     "presets": "python -m specgui presets --save",
     "profile": "python -m specgui profile --refresh --save",
     "gpucheck": "python -m specgui gpucheck --out out/gpucheck --save",
+    "floors": "python -m specgui gpucheck --sections floors --out out/floors --save",
     "dispatch": "python -m specgui gpucheck --sections dispatch --device cpu --out out/dispatch --save",
     "suite": "python -m specgui suite-time --save",
 }

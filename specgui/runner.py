@@ -139,6 +139,7 @@ class Runner:
         # bitsandbytes' quantized linears read values on the host inside their kernels: no CUDA graph holds them
         self.capturable = not any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
         self.static_cache: Any = None  # the fast path's cache (`specgui.fastpath.cache_for`), owned here
+        self.compile_mode = "auto"  # whether the fast path's programs are compiled (`specgui.compiled.resolve`)
 
     # -- public API -------------------------------------------------------------------------------------
 

@@ -1,0 +1,102 @@
+"""Compiled programs (`specgui.compiled`): the layer functions against transformers, the compiled fast path against
+the eager one for every method, a compile cache that a second process reuses, and the kernels a compiled layer runs.
+
+Compiling on a CPU takes inductor's C++ backend seconds a graph; the tiny model's graphs are few (one per function
+and row class) and land in the compile cache, so the module stays short after its first run on a machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from specgui import compiled, decode, fastpath, gpucheck, methods
+from specgui.errors import SpecGUIError
+
+needs_inductor = pytest.mark.skipif(compiled.available(torch.device("cpu")) is not None,
+                                    reason="inductor's CPU backend needs a C++ compiler")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_layer_functions_equal_transformers_layers(arch, by_hand):
+    """The whole-layer function over a static buffer, causal mask, both attention forms (torch's fused kernel, as on
+    a CPU; grouped products by hand, as on CUDA), equals the model's own forward within float rounding: q/k/v biases
+    (qwen2) and q/k norms (qwen3) included, three query heads to a key head."""
+    lm = tiny_model(arch=arch, cpu=False, hidden=96)
+    model, runner = lm.model, lm.runner
+    if arch == "llama":  # more query heads per key head than the helper's two
+        assert runner.config.num_attention_heads // runner.config.num_key_value_heads >= 2
+    ids = torch.randint(0, runner.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    shape = compiled.shape_of(runner.config, torch.device("cpu"))._replace(by_hand=by_hand)
+    columns, t = 32, ids.shape[1]
+    with torch.inference_mode():
+        expected = model.model(ids).last_hidden_state
+        h = runner.embed(ids)
+        cos, sin = runner.rotary(h, torch.arange(t)[None])
+        mask = torch.zeros(1, 1, t, columns, dtype=torch.bool)
+        mask[0, 0, :, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+        for block in runner.layers:
+            keys = torch.full((1, shape.kv_heads, columns, shape.head_dim), 0.0)
+            values = torch.zeros_like(keys)
+            h = compiled.layer(h, compiled.weights_of(block), keys, values, cos, sin, mask, torch.arange(t), shape)
+        got = runner.norm(h)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_fused_weights_are_views_where_no_cpu_plan_holds_the_modules():
+    lm = tiny_model(cpu=False)
+    block = lm.runner.layers[0]
+    weights = compiled.weights_of(block)
+    assert block.self_attn.q_proj.weight.data_ptr() == weights.qkv.data_ptr()  # nothing held twice
+    assert compiled.weights_of(block) is weights
+    planned = tiny_model(cpu=True).runner.layers[0]
+    assert planned.self_attn.q_proj.weight.data_ptr() != compiled.weights_of(planned).qkv.data_ptr()
+
+
+def test_compile_modes():
+    cpu = torch.device("cpu")
+    assert compiled.resolve("auto", cpu, True) is False  # a CPU compiles only when asked
+    assert compiled.resolve("off", cpu, True) is False
+    with pytest.raises(SpecGUIError, match="fast path"):
+        compiled.resolve("on", cpu, False)
+    with pytest.raises(SpecGUIError, match="compile must be one of"):
+        compiled.checked("sometimes")
+    with pytest.raises(SpecGUIError, match="compile must be one of"):
+        decode.run(tiny_model(), [1, 2, 3], max_new_tokens=2, fast_path="on", compile="yes")
+
+
+@needs_inductor
+def test_compiled_path_is_token_identical_to_the_eager_programs_for_every_method():
+    """Every method on the compiled fast path gives plain decoding's tokens on that path, which are the eager fast
+    path's (fp32, a model whose greedy choices stand far from ties), the methods drafting on the paper's schedule."""
+    lm = tiny_model(init=0.3)
+    ids = [1, 5, 9, 3, 7, 2, 11, 4, 1, 5, 9, 3, 7, 2]
+    eager = decode.run(lm, ids, "baseline", max_new_tokens=20, fast_path="on", compile="off")
+    plain = decode.run(lm, ids, "baseline", max_new_tokens=20, fast_path="on", compile="on")
+    assert plain.events[0].compiled and not eager.events[0].compiled
+    assert fastpath.stats(lm.runner)["compiled"]
+    assert plain.token_ids == eager.token_ids
+    drafted = 0
+    for method in methods.names():
+        got = decode.run(lm, ids, method, max_new_tokens=20, fast_path="on", compile="on",
+                         params=gpucheck._drafting(method))
+        assert got.token_ids == plain.token_ids, method
+        drafted += got.summary.drafted
+    assert drafted > 0
+
+
+@needs_inductor
+def test_a_second_process_compiles_nothing_and_a_layer_runs_few_kernels(tiny_lm, tmp_path, monkeypatch):
+    """`gpucheck`'s dispatch figures: a compiled layer's kernels (at most 10 on a CPU: norm, q/k/v, rotary and cache
+    write, attention, output, residual and norm, gate/up, activation, down, residual) against the eager program's
+    operations; a fresh process finds every graph in the compile cache (here a new cache directory, so the first
+    process compiles)."""
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    figures = gpucheck.compiled_figures(tiny_lm)
+    assert figures["first_process"]["cache_misses"] > 0
+    assert figures["cache_reused"] and figures["second_process"]["cache_misses"] == 0
+    assert 0 < figures["kernels_per_layer"] <= gpucheck.KERNELS_PER_LAYER
+    assert figures["eager_ops_per_layer"] > 2 * figures["kernels_per_layer"]
+    assert (tmp_path / "inductor").is_dir()
