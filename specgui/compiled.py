@@ -36,7 +36,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -261,7 +260,6 @@ def layer(h: torch.Tensor, w: LayerWeights, keys: torch.Tensor, values: torch.Te
 
 FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {"attention": attention_unit, "mlp": mlp_unit, "layer": layer}
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
-compile_s = [0.0]  # seconds spent in first calls of compiled functions in this process (compilation and tracing)
 
 
 def compiled(name: str) -> Callable[..., torch.Tensor]:
@@ -270,15 +268,6 @@ def compiled(name: str) -> Callable[..., torch.Tensor]:
         configure()
         _compiled[name] = torch.compile(FUNCTIONS[name], fullgraph=True, dynamic=None)
     return _compiled[name]
-
-
-def timed_first_call(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`fn()`, its seconds added to `compile_s` (a program's first run is where its functions compile)."""
-    started = time.perf_counter()
-    try:
-        return fn()
-    finally:
-        compile_s[0] += time.perf_counter() - started
 
 
 # -- what a compiled layer runs: counted from inductor's generated code, in fresh processes -------------------------
