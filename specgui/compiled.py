@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specgui import hosting
 from specgui.cachedir import cache_root
 from specgui.errors import SpecGUIError
 
@@ -84,15 +85,17 @@ def checked(mode: object) -> str:
     return str(mode)
 
 
-def available(device: torch.device) -> str | None:
-    """Why inductor cannot compile for `device` here, or None where it can."""
-    if device.type == "cuda":
+@functools.cache
+def available(device_type: str) -> str | None:
+    """Why inductor cannot compile for a device of `device_type` here, or None where it can (asked once a process:
+    the CPU check runs the C++ compiler)."""
+    if device_type == "cuda":
         try:
             import triton  # noqa: F401
         except ImportError:
             return "triton is not installed"
         return None
-    if device.type == "cpu":
+    if device_type == "cpu":
         from torch._inductor import cpp_builder
 
         try:
@@ -100,7 +103,7 @@ def available(device: torch.device) -> str | None:
         except Exception as exc:  # no C++ compiler: inductor's CPU backend cannot build its kernels
             return f"no C++ compiler for inductor's CPU backend ({type(exc).__name__})"
         return None
-    return f"inductor does not compile for {device.type} here"
+    return f"inductor does not compile for {device_type} here"
 
 
 def resolve(mode: str, device: torch.device, static: bool) -> bool:
@@ -114,11 +117,11 @@ def resolve(mode: str, device: torch.device, static: bool) -> bool:
         if mode == "on":
             raise SpecGUIError("compiled programs run on the fast path; use --fast-path on (or --compile off)")
         return False
-    missing = available(device)
-    if mode == "on" and missing:
-        raise SpecGUIError(f"cannot compile programs on {device.type}: {missing}; use --compile off")
     if mode == "auto":
-        return device.type == "cuda" and missing is None and not os.environ.get("SPACES_ZERO_GPU")
+        return device.type == "cuda" and available("cuda") is None and not hosting.on_zero_gpu()
+    missing = available(device.type)
+    if missing:
+        raise SpecGUIError(f"cannot compile programs on {device.type}: {missing}; use --compile off")
     return True
 
 

@@ -103,7 +103,7 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
     cache = runner.static_cache
     compiles = compiles_for(runner)
     if cache is None or cache.capacity < needed + SLACK or cache.compiled != compiles:
-        capacity = 256 if cache is None or cache.compiled != compiles else cache.capacity
+        capacity = 256
         while capacity < needed + SLACK:
             capacity *= 2
         runner.static_cache = None  # the old cache's buffers and graphs go before the new ones are made

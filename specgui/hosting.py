@@ -75,10 +75,15 @@ def check_model_request(name: str, *, trust_remote_code: bool = False) -> None:
         raise SpecGUIError("remote model code is disabled on this deployment")
 
 
+def on_zero_gpu() -> bool:
+    """Whether this process runs on ZeroGPU (its `spaces` package is here): a GPU lent per call."""
+    return spaces is not None
+
+
 def gpu(fn: Callable | None = None, *, duration: int = 120) -> Any:
     """`@gpu`: run on a ZeroGPU slice when hosted on one; unchanged elsewhere."""
     if fn is None:
         return lambda f: gpu(f, duration=duration)
-    if spaces is None:
+    if not on_zero_gpu():
         return fn
     return spaces.GPU(duration=duration)(fn)

@@ -13,7 +13,7 @@ from helpers import tiny_model
 from specgui import compiled, decode, fastpath, gpucheck, methods
 from specgui.errors import SpecGUIError
 
-needs_inductor = pytest.mark.skipif(compiled.available(torch.device("cpu")) is not None,
+needs_inductor = pytest.mark.skipif(compiled.available("cpu") is not None,
                                     reason="inductor's CPU backend needs a C++ compiler")
 
 
