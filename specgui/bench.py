@@ -187,7 +187,7 @@ def bench(
         if entry.method not in REFERENCES:
             methods.params_for(entry.method, lm.name, lm.runner.device.type, entry.params)
     fast = fastpath.resolve(settings.fast_path, lm.runner)
-    lm.runner.compile_mode = compiled.checked(settings.compile)
+    lm.runner.compile_mode = compiled.with_path(settings.fast_path, settings.compile)
     encoded = [row.encode(lm.tokenizer) for row in rows]
 
     def untimed(what: str, fn: Callable[[], Any]) -> Any:

@@ -165,12 +165,13 @@ def _sampling(args: argparse.Namespace):
 
 
 def load_model(args: argparse.Namespace):
+    from specgui import compiled
     from specgui.loading import ModelSpec, load
 
     lm = load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
                         quantization=args.quantization, trust_remote_code=args.trust_remote_code,
                         small_batch_matmul=args.small_batch_matmul == "on"))
-    lm.runner.compile_mode = getattr(args, "compile", "auto")
+    lm.runner.compile_mode = compiled.with_path(getattr(args, "fast_path", "auto"), getattr(args, "compile", "auto"))
     return lm
 
 

@@ -106,16 +106,19 @@ def available(device_type: str) -> str | None:
     return f"inductor does not compile for {device_type} here"
 
 
-def resolve(mode: str, device: torch.device, static: bool) -> bool:
-    """Whether a run compiles its programs. `auto`: on a CUDA GPU on the fast path where inductor works, except on a
-    ZeroGPU Space (its GPU comes and goes per call, so a compilation would be lost with it); `on`: wherever the fast
-    path runs and inductor works (a CPU included: slow to compile, how CI checks this path); `off`: eager programs."""
-    checked(mode)
-    if mode == "off":
-        return False
-    if not static:
-        if mode == "on":
-            raise SpecGUIError("compiled programs run on the fast path; use --fast-path on (or --compile off)")
+def with_path(fast_path: str, mode: object) -> str:
+    """`mode` checked beside the fast-path setting a front end was given: compiled programs are the fast path's, so
+    asking for them with the fast path off is a one-line error rather than a setting that does nothing."""
+    if checked(mode) == "on" and fast_path == "off":
+        raise SpecGUIError("compiled programs run on the fast path; use --fast-path on (or --compile off)")
+    return str(mode)
+
+
+def resolve(mode: str, device: torch.device) -> bool:
+    """Whether the fast path's programs are compiled. `auto`: on a CUDA GPU where inductor works, except on a ZeroGPU
+    Space (its GPU comes and goes per call, so a compilation would be lost with it); `on`: wherever inductor works (a
+    CPU included: slow to compile, how CI checks this path); `off`: eager programs."""
+    if checked(mode) == "off":
         return False
     if mode == "auto":
         return device.type == "cuda" and available("cuda") is None and not hosting.on_zero_gpu()

@@ -115,7 +115,7 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
 
 def compiles_for(runner: Runner) -> bool:
     """Whether the runner's fast-path programs run compiled kernels, by its `compile_mode` (`compiled.resolve`)."""
-    return compiled.resolve(runner.compile_mode, runner.device, True)
+    return compiled.resolve(runner.compile_mode, runner.device)
 
 
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),

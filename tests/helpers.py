@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from scipy import stats
 from transformers import (
@@ -25,10 +26,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgui import costs, cpu_layers, decode, kernels, methods
+from specgui import compiled, costs, cpu_layers, decode, kernels, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
+
+# compiled programs on a CPU: inductor's C++ backend builds its kernels with the machine's compiler
+needs_inductor = pytest.mark.skipif(compiled.available("cpu") is not None,
+                                    reason="inductor's CPU backend needs a C++ compiler")
 
 # One short prompt per suite category: for checks of what a suite run lays out, not of the suite's prompts
 SHORT_PROMPTS = Path(__file__).resolve().parent / "data" / "short-prompts.jsonl"

@@ -17,6 +17,7 @@ import pytest
 from transformers import GPT2Config
 from ui_helpers import holding, prefill, run, shown, slowed, start, step
 
+from helpers import needs_inductor
 from specgui.events import MAX_TRACE_BYTES, Summary, dumps_trace, load_trace, save_trace
 from specgui.ui import page as page_module
 from specgui.ui.page import KEEP_TRACES, App, trace_name
@@ -53,14 +54,14 @@ def private_deployment(app, tiny_lm, monkeypatch):
 
 def page_run(app: App, prompt: str = PROMPT, *, model: str = MODEL, method: str = "pld", max_new=16,
              mode: str = "greedy", temperature=0.7, params: dict | None = None, repeats=1, reuse: bool = False,
-             speed=8.0, fast_path="auto"):
+             speed=8.0, fast_path="auto", compile="auto"):
     """The Run button's handler (a generator of updates) with the page's other inputs at their defaults."""
     values = app.panel.presets(MODEL, app.device)
     for i, key in enumerate(app.panel.keys):
         if key[0] == method and key[1] in (params or {}):
             values[i] = params[key[1]]
     return app.run(model, method, mode, temperature, 1.0, None, max_new, None, prompt, repeats, reuse, speed,
-                   fast_path, *values)
+                   fast_path, compile, *values)
 
 
 def run_page(app: App, prompt: str = PROMPT, **kw) -> list[dict]:
@@ -277,6 +278,18 @@ def test_the_fast_path_setting_applies_to_both_runs_and_is_checked(app):
     off = shown(run_page(app, fast_path="off"))[app.views]
     assert not off["method"].start.fast_path and off["method"].summary.token_ids == pair["method"].summary.token_ids
     assert "fast path must be one of auto, on, off" in error_line(app, run_page(app, fast_path="fastest"))
+
+
+@needs_inductor
+def test_the_compile_setting_applies_to_both_runs_and_is_checked(app):
+    """*Compile* on a CPU too (where auto leaves it off): both runs' programs compiled, the tokens as without."""
+    pair = shown(run_page(app, fast_path="on", compile="on"))[app.views]
+    assert pair["method"].start.compiled and pair["baseline"].start.compiled
+    plain = shown(run_page(app, fast_path="on", compile="off"))[app.views]
+    assert not plain["method"].start.compiled and not plain["baseline"].start.compiled
+    assert pair["method"].summary.token_ids == plain["method"].summary.token_ids == pair["baseline"].summary.token_ids
+    assert "compile must be one of auto, on, off" in error_line(app, run_page(app, compile="always"))
+    assert "compiled programs run on the fast path" in error_line(app, run_page(app, fast_path="off", compile="on"))
 
 
 def test_downloaded_traces_are_named_by_method_prompt_and_time(app):

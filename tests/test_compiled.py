@@ -9,12 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import needs_inductor, tiny_model
 from specgui import compiled, decode, fastpath, gpucheck, methods
 from specgui.errors import SpecGUIError
-
-needs_inductor = pytest.mark.skipif(compiled.available("cpu") is not None,
-                                    reason="inductor's CPU backend needs a C++ compiler")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -56,10 +53,11 @@ def test_fused_weights_are_views_where_no_cpu_plan_holds_the_modules():
 
 def test_compile_modes():
     cpu = torch.device("cpu")
-    assert compiled.resolve("auto", cpu, True) is False  # a CPU compiles only when asked
-    assert compiled.resolve("off", cpu, True) is False
+    assert compiled.resolve("auto", cpu) is False  # a CPU compiles only when asked
+    assert compiled.resolve("off", cpu) is False
+    assert compiled.with_path("off", "auto") == "auto"
     with pytest.raises(SpecGUIError, match="fast path"):
-        compiled.resolve("on", cpu, False)
+        compiled.with_path("off", "on")
     with pytest.raises(SpecGUIError, match="compile must be one of"):
         compiled.checked("sometimes")
     with pytest.raises(SpecGUIError, match="compile must be one of"):

@@ -41,7 +41,7 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import ASSETS_DIR, fastpath, hosting, kernels, methods, papers
+from specgui import ASSETS_DIR, compiled, fastpath, hosting, kernels, methods, papers
 from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
 from specgui.events import MAX_TRACE_BYTES, Event, load_trace, loads_trace, save_trace, to_json
@@ -256,6 +256,9 @@ class App:
         self.fast_path = gr.Radio(list(fastpath.MODES), value="auto", label="Fast path", elem_id="sg-fast-path",
                                   info="static KV cache, bucketed forwards, CUDA graphs; auto = on a GPU only. "
                                        "Both runs use it alike")
+        self.compile = gr.Radio(list(compiled.MODES), value="auto", label="Compile", elem_id="sg-compile",
+                                info="the fast path's programs as compiled kernels (inductor), compiled once per "
+                                     "machine; auto = on a GPU only. Both runs use it alike")
         self.reuse_baseline = gr.Checkbox(False, label="Reuse a cached baseline", elem_id="sg-reuse-baseline",
                                           info="faster; its timing is from an earlier run (its age is shown). "
                                                "Off: a fresh baseline every run")
@@ -282,7 +285,7 @@ class App:
         self.stage.change(None, self.stage, None, js=STAGE_TOGGLE_JS, queue=False)
         inputs = [self.model, self.method, self.mode, self.temperature, self.top_p, self.seed, self.max_new,
                   self.example, self.prompt, self.repeats, self.reuse_baseline, self.race_speed, self.fast_path,
-                  *self.panel.components]
+                  self.compile, *self.panel.components]
         queued = {"concurrency_id": "model", "concurrency_limit": 1, "show_progress": "minimal",
                   "show_progress_on": self.status, "api_visibility": "private"}  # status shows "queue: i/n"
         self.run_button.click(self._run_clicked, inputs, self._outputs(), api_name="page_run", **queued)
@@ -386,7 +389,8 @@ class App:
 
     def run(self, model: str, method: str, mode: str, temperature: float, top_p: float, seed: float | None,
             max_new: float, example: str | None, prompt: str, repeats: float, reuse_baseline: bool,
-            race_speed: float, fast_path: str, *params: Any, session: str = "local") -> Iterator[dict]:
+            race_speed: float, fast_path: str, compile: str, *params: Any,
+            session: str = "local") -> Iterator[dict]:
         """Live: the method, then baseline, `repeats` times in turn, streamed into the panes; the verdict; the race."""
         try:
             model = self._checked_model(model)
@@ -398,7 +402,7 @@ class App:
                              sampling=controls.sampling_from(mode, temperature, top_p, seed),
                              params=overrides, model=model, prompt_text=prompt,
                              repeats=_whole(repeats, "repeats", 1, MAX_REPEATS), reuse_baseline=bool(reuse_baseline),
-                             fast_path=fastpath.checked(fast_path))
+                             fast_path=fastpath.checked(fast_path), compile=compiled.with_path(fast_path, compile))
             speed = _speed(race_speed)
         except Exception as exc:
             yield {self.status: render.status(_failure(exc), "error")}

@@ -77,6 +77,7 @@ class RunRequest:
     repeats: int = 1  # method / baseline pairs, run in turn
     reuse_baseline: bool = False  # take baseline's events from the cache when it holds them
     fast_path: str = "auto"  # static cache + bucketed forwards (+ CUDA graphs): auto = on a GPU (`specgui.fastpath`)
+    compile: str = "auto"  # the fast path's programs as inductor's kernels: auto = on a GPU (`specgui.compiled`)
 
 
 class ModelStore:
@@ -122,9 +123,10 @@ class BaselineCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(lm: LoadedModel, ids: list[int], sampling: Sampling, max_new_tokens: int, fast_path: str = "auto") -> tuple:
+    def key(lm: LoadedModel, ids: list[int], sampling: Sampling, max_new_tokens: int, fast_path: str = "auto",
+            compile: str = "auto") -> tuple:
         return (lm.name, str(lm.device), tuple(ids), tuple(sorted(sampling.to_dict().items())), max_new_tokens,
-                fast_path)
+                fast_path, compile)
 
     def get(self, key: tuple) -> tuple[list[Event], float] | None:
         with self._lock:
@@ -275,7 +277,7 @@ def decode_source(lm: LoadedModel, ids: list[int], method: str, request: RunRequ
     return lambda should_stop: gpu_decode(lm, ids, method, max_new_tokens=request.max_new_tokens,
                                           sampling=request.sampling, params=params,
                                           prompt_text=request.prompt_text, fast_path=request.fast_path,
-                                          should_stop=should_stop, profile=profile)
+                                          compile=request.compile, should_stop=should_stop, profile=profile)
 
 
 def _on_device(fn: Callable[..., Any], *args: Any) -> Any:
@@ -329,8 +331,9 @@ def live(store: ModelStore, cache: BaselineCache, request: RunRequest, stop: thr
     if note:
         request = dataclasses.replace(request, max_new_tokens=max_new)
         yield Tick(status=note, note=note)
-    key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens, request.fast_path)
+    key = BaselineCache.key(lm, ids, request.sampling, request.max_new_tokens, request.fast_path, request.compile)
     with store.busy:
+        lm.runner.compile_mode = request.compile  # before the profile is looked up: it is kept per compile setting
         profile, stale = yield from priced(lm, request)
         yield from _pairs(lm, ids, cache, key, request, stop, profile)
         if stale is not None:  # after the run, before the device serves anyone else
