@@ -9,23 +9,25 @@ only be taken on a GPU.
 
 `counting` is a context manager: inside it, every `Runner.new_pass` starts a pass, every program call is charged to
 the pass that makes it (`StaticPass.call`: a spliced forward's pieces to the target's pass, its compressed passes to
-their own), and a torch function mode counts the host reads. A step clock's read counts as one
-synchronisation (on CUDA it waits for the step's last event; on a CPU it waits for nothing, and is counted all the
-same, since the count is of the path), unless it follows the step's own read of the device (`synced`), which its
+their own), a torch function mode counts the host reads and a dispatch mode the operations on the model's device
+outside program calls (eager work between programs: on a GPU each a launch of its own). A step clock's read counts
+as one synchronisation (on CUDA it waits for the step's last event; on a CPU it waits for nothing, and is counted all
+the same, since the count is of the path), unless it follows the step's own read of the device (`synced`), which its
 last mark precedes. What runs inside a program's function is not counted as a host read: on a
-GPU it is captured, and a read there would fail the capture.
+GPU it is captured, and a read there would fail the capture; nor, for the same reason, as eager work.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 READS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"})
 
@@ -56,29 +58,60 @@ class Counts:
 
     programs: list[int] = field(default_factory=list)  # per pass, in order
     reads: collections.Counter[str] = field(default_factory=collections.Counter)
+    eager: collections.Counter[str] = field(default_factory=collections.Counter)  # device operations between programs
     tokens: int = 0
+    steps: int = 0  # decoding steps (the caller adds a run's)
 
     def summary(self) -> dict[str, Any]:
         passes = len(self.programs)
-        return {"passes": passes, "tokens": self.tokens,
+        ops = sum(self.eager.values())
+        return {"passes": passes, "tokens": self.tokens, "steps": self.steps,
+                "eager_ops_per_step": ops / self.steps if self.steps else 0.0,
+                "eager_ops": dict(self.eager.most_common()),
                 "programs_per_pass_max": max(self.programs, default=0),
                 "programs_per_pass_mean": sum(self.programs) / passes if passes else 0.0,
                 "syncs_per_token": sum(self.reads.values()) / self.tokens if self.tokens else 0.0,
                 "reads": dict(self.reads)}
 
 
+class EagerOps(TorchDispatchMode):
+    """Counts the operations that run on `device` outside program calls, by name: views (which launch nothing) and
+    the empty allocations left out. On a GPU each is a launch between two programs; on a CPU the host's own tensor
+    work (building a step's positions, say) counts too, so there a count is an upper bound of a GPU's."""
+
+    FREE = frozenset({"empty", "empty_strided", "_to_copy", "lift_fresh", "detach", "alias"})
+
+    def __init__(self, counts: collections.Counter[str], device: Callable[[], torch.device | None],
+                 paused: Callable[[], int]) -> None:
+        super().__init__()
+        self.counts, self.device, self.paused = counts, device, paused
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket.__name__
+        device = self.device()
+        if not self.paused() and not func.is_view and name not in self.FREE and device is not None:
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            if any(t.device == device for t in tensors):
+                self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
 def counting() -> Iterator[Counts]:
-    """Count passes, programs and host reads of everything run inside (see the module docstring)."""
+    """Count passes, programs, host reads and device operations between programs of everything run inside (see the
+    module docstring)."""
     from specgui import decode, fastpath
     from specgui.runner import Runner
 
     counts = Counts()
     mode = _HostReads(counts.reads)
-    new_pass, call, read = Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read
+    devices: list[torch.device] = []  # the device of the last runner that started a pass
+    eager = EagerOps(counts.eager, lambda: devices[-1] if devices else None, lambda: mode.paused)
+    new_pass, call, read, run = Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read, fastpath.Program.__call__
     passes: dict[int, int] = {}  # id of a pass -> its index in `counts.programs`
 
     def counted_pass(self: Runner, *args: Any, **kwargs: Any) -> Any:
+        devices[:] = [self.device]
         made = new_pass(self, *args, **kwargs)
         passes[id(made)] = len(counts.programs)
         counts.programs.append(0)
@@ -87,9 +120,12 @@ def counting() -> Iterator[Counts]:
     def counted_call(self: fastpath.StaticPass, program: fastpath.Program) -> torch.Tensor:
         if id(self) in passes:
             counts.programs[passes[id(self)]] += 1
+        return call(self, program)
+
+    def paused_run(self: fastpath.Program) -> torch.Tensor:  # any program: a pass's, or its inputs' builder
         mode.paused += 1
         try:
-            return call(self, program)
+            return run(self)
         finally:
             mode.paused -= 1
 
@@ -99,8 +135,10 @@ def counting() -> Iterator[Counts]:
         return read(self, synced)
 
     Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = counted_pass, counted_call, counted_read
+    fastpath.Program.__call__ = paused_run
     try:
-        with mode:
+        with mode, eager:
             yield counts
     finally:
         Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = new_pass, call, read
+        fastpath.Program.__call__ = run

@@ -18,7 +18,8 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
     overwrites them. A causal forward beyond the largest bucket (a long prompt) runs as bucketed chunks.
   * `BucketInputs`: per bucket, the device tensors every program of that bucket reads (rotary tables,
     masks [L, 1, 1, Tb, C], write indices [L, Tb]). A pass uploads what it needs in one non-blocking
-    copy from pinned memory and builds the rest on the device, so loading never stalls the host.
+    copy from pinned memory, and one program of the bucket (its `builder`) builds the rest on the device: loading
+    never stalls the host and costs the device a copy and a replay, not a launch per tensor operation.
   * `Program`: a function of one static input buffer at one bucket size, returning its own output buffer.
     On CUDA it is captured as a CUDA graph and replayed; elsewhere it is the same function called on the
     same buffers, so a test on a CPU checks everything but the capture itself. A pass runs as one program:
@@ -386,16 +387,21 @@ class BucketInputs:
     index: torch.Tensor  # [L, Tb] where each row's keys go, per layer
     live: torch.Tensor  # [L, 1, 1, C, 1] bool: the columns some row sees, per layer
     owner: object = field(default=None, repr=False)
+    builder: Program | None = field(default=None, repr=False)  # a bucket's: fills the tensors above from the upload
 
     @classmethod
     def empty(cls, store: StaticKVCache, rows: int) -> BucketInputs:
         runner, device = store.runner, store.runner.device
         positions = torch.zeros(1, rows, dtype=torch.long, device=device)
         cos, sin = runner.rotary(torch.empty(0, dtype=runner.dtype, device=device), positions)
-        return cls(store, rows, positions, cos, sin,
+        made = cls(store, rows, positions, cos, sin,
                    torch.zeros(runner.num_layers, 1, 1, rows, store.columns, dtype=torch.bool, device=device),
                    torch.zeros(runner.num_layers, rows, dtype=torch.long, device=device),
                    torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device))
+        if bucket(rows) == rows:  # a bucket's inputs live on; a larger forward's are made for its one pass
+            upload = torch.zeros(rows + 2 * runner.num_layers + rows * rows, dtype=torch.long, device=device)
+            made.builder = Program(made._build, upload, store, True, read=False)
+        return made
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,8 +415,9 @@ class BucketInputs:
 
     def load(self, owner: object, positions: torch.Tensor, layouts: list[Layout], visible: torch.Tensor) -> None:
         """Fill these inputs for a forward at `positions` [T] (host) with `visible` [T, T], unless `owner`'s
-        are here. One upload of [positions, prefixes, offsets, visible block] packed in one host tensor;
-        rotary tables, masks and write indices are then built on the device."""
+        are here: one upload of [positions, prefixes, offsets, visible block] packed in one host tensor, then one
+        program (`builder`, a CUDA graph on a GPU) builds the rotary tables, masks and write indices from it, so that
+        a pass's inputs cost the device one copy and one replay, not a launch per operation."""
         if self.owner is owner:
             return
         t, rows, n = positions.shape[0], self.rows, len(layouts)
@@ -422,17 +429,27 @@ class BucketInputs:
         block = torch.eye(rows, dtype=torch.long)  # a padded row sees only itself
         block[:t, :t] = visible
         packed[rows + 2 * n :] = block.view(-1)
-        data = to_device(packed, self.positions.device)
+        builder = self.builder
+        if builder is None:  # beyond the buckets: built as it comes, for this one pass
+            self._build(to_device(packed, self.positions.device))
+        else:
+            builder.input.copy_(packed.pin_memory() if builder.input.is_cuda else packed, non_blocking=True)
+            builder()
+        self.owner = owner
+
+    def _build(self, data: torch.Tensor) -> torch.Tensor:
+        """Positions, rotary tables, masks, seen columns and write indices from an upload `data` (`load`'s layout)."""
+        rows, n = self.rows, self.index.shape[0]
         self.positions.copy_(data[:rows].view(1, rows))
         cos, sin = self.store.runner.rotary(self.cos, self.positions)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         prefix, offset = data[rows : rows + n, None], data[rows + n : rows + 2 * n, None]
-        self.mask.copy_(masks(prefix, offset, data[rows + 2 * n :].view(rows, rows).bool(), layouts[0].columns)
+        self.mask.copy_(masks(prefix, offset, data[rows + 2 * n :].view(rows, rows).bool(), self.store.columns)
                         .unsqueeze(1).unsqueeze(1))
         self.live.copy_(self.mask.any(3).unsqueeze(-1))
         self.index.copy_(offset + torch.arange(rows, device=data.device))
-        self.owner = owner
+        return self.positions
 
 
 def masks(prefix: torch.Tensor, offset: torch.Tensor, block: torch.Tensor, columns: int) -> torch.Tensor:
@@ -460,8 +477,9 @@ class Program:
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, store: StaticKVCache,
-                 capturable: bool) -> None:
+                 capturable: bool, read: bool = True) -> None:
         self.fn = fn
+        self.read = read  # whether callers read its output (a bucket's inputs builder writes its inputs instead)
         self.store = store
         self.input = torch.zeros_like(example)
         self.output: torch.Tensor | None = None
@@ -491,7 +509,7 @@ class Program:
             if self.output is None:
                 self.output = torch.empty_like(out)
             self.output.copy_(out)
-        if _checking:
+        if _checking and self.read:  # an output nobody reads is neither poisoned nor poisons
             for other in _live:
                 if other is not self and other.output is not None:
                     other.output.fill_(float("nan"))

@@ -115,10 +115,18 @@ def _gpucheck(data: dict[str, Any]) -> list[str]:
 def _dispatch(data: dict[str, Any]) -> list[str]:
     found = data["sections"]["dispatch"]["dispatch"]
     rows = [[method, f["programs_per_pass_max"], f"{f['programs_per_pass_mean']:.2f}", f"{f['syncs_per_token']:.2f}",
-             "yes" if f["programs_per_pass_max"] <= 1 and f["syncs_per_token"] <= 1.0 else "no"]
+             "yes" if f["programs_per_pass_max"] <= 1 and f["syncs_per_token"] <= 1.0 else "no",
+             f"{f['eager_ops_per_step']:.1f}" if "eager_ops_per_step" in f else "-"]
             for method, f in found.items()]
-    return _table(["method", "programs per pass (most)", "programs per pass (mean)", "host reads per token",
-                   "one program a pass, at most one read a token"], rows)
+    lines = _table(["method", "programs per pass (most)", "programs per pass (mean)", "host reads per token",
+                    "one program a pass, at most one read a token", "device operations between programs a step"],
+                   rows)
+    layer = data["sections"]["dispatch"].get("compiled")
+    if layer:
+        lines += ["", f"A decoder layer: {layer['kernels_per_layer']} kernels compiled, {layer['eager_ops_per_layer']} "
+                      f"operations through transformers' modules; a second process "
+                      f"{'reused the compile cache' if layer['cache_reused'] else 'compiled again'}."]
+    return lines
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {

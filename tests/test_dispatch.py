@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from specgui import decode, dispatch, fastpath, methods
+from specgui import costs, decode, dispatch, fastpath, methods
 from specgui.cli import main
+from specgui.events import Step
 from specgui.methods.fractal import fractal_positions
 
 
@@ -81,11 +82,64 @@ def test_gpucheck_dispatch_section_holds_every_method_to_one_program_a_pass_and_
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["dispatch"]) == set(methods.names())
     for method, figures in report["dispatch"].items():
-        assert set(figures) == {"programs_per_pass_max", "programs_per_pass_mean", "syncs_per_token"}
+        assert set(figures) == {"programs_per_pass_max", "programs_per_pass_mean", "syncs_per_token",
+                                "eager_ops_per_step"}
+        assert figures["eager_ops_per_step"] >= report["dispatch"]["baseline"]["eager_ops_per_step"] > 0, method
         assert 0 < figures["syncs_per_token"] <= 1.0, method
         params = methods.params_for("fractal", "random:tiny", "cpu", {"policy": "fixed"})
         pieces = len(fractal_positions(4, params)) + 1  # random:tiny has 4 layers
         assert figures["programs_per_pass_max"] == (pieces if method == "fractal" else 1), method
     assert status == (1 if pieces > 1 else 0)  # the section's Fractal target: reported, not hidden
+    assert set(report["compiled"]) == {"kernels_per_layer", "eager_ops_per_layer", "cache_reused"}
+    assert report["compiled"]["kernels_per_layer"] < report["compiled"]["eager_ops_per_layer"]
     out = capsys.readouterr().out
     assert "| dispatch |" in out and "fractal: one program per pass" in out
+    assert "eager device operations a step at most plain decoding's + 2" in out
+
+
+def test_the_counter_sees_device_operations_between_programs_only():
+    """Operations on the model's device count, by name, outside program calls; views and allocations launch nothing;
+    what a program's function runs (captured on a GPU) does not count; nothing counts before a pass names the device."""
+    lm = tiny_model(seed=3)
+    t = torch.ones(4)
+    with dispatch.counting() as counts:
+        t + 1  # no pass yet: no device known
+        assert not counts.eager
+        cache = fastpath.cache_for(lm.runner, 8)
+        with torch.inference_mode():
+            lm.runner.forward(torch.tensor([1, 2]), torch.arange(2), cache)
+        before = sum(counts.eager.values())
+        (t * 2).view(2, 2).sum()
+        torch.empty(3)
+    assert sum(counts.eager.values()) - before == 2 and counts.eager["mul"] >= 1 and counts.eager["sum"] >= 1
+    assert "index_copy_" not in counts.eager  # the cache's writes happen inside the forward's program
+
+
+def test_a_paused_method_costs_what_a_plain_step_costs():
+    """Priced so that no draft pays (a forward's cost grows with its rows), every method that pauses takes plain steps
+    with plain decoding's device operations and reads, step for step. Lookahead is the exception the method has: its
+    Jacobi window rides in every verify as extra rows, paused or not."""
+    lm = tiny_model(init=0.3)
+    layers, ms = lm.runner.num_layers, 10.0
+    steep = costs.CostProfile(key=costs.profile_key(lm, True), sizes=[1, 64], contexts=[128], forward=[[ms, 64 * ms]],
+                              step=ms, attn=[ms / (2 * layers)] * layers, mlp=[ms / (2 * layers)] * layers,
+                              head=ms / 10)
+    ids = [1, 5, 9, 3, 7, 2, 11, 4, 1, 5, 9, 3, 7, 2]
+
+    def per_step(method: str) -> list[tuple[int, int, int]]:
+        """(draft tokens, device operations, host reads) of every step of a run."""
+        list(decode.generate(lm, ids, method, max_new_tokens=6, fast_path="on", profile=steep))  # programs made
+        found, before = [], (0, 0)
+        with dispatch.counting() as counts:
+            for event in decode.generate(lm, ids, method, max_new_tokens=16, fast_path="on", profile=steep):
+                now = (sum(counts.eager.values()), sum(counts.reads.values()))
+                if isinstance(event, Step):
+                    found.append((len(event.draft_tokens), now[0] - before[0], now[1] - before[1]))
+                before = now
+        return found
+
+    plain = per_step("baseline")
+    assert len(set(plain)) == 1 and plain[0][0] == 0
+    for method in methods.names():
+        if method != "lookahead":
+            assert per_step(method) == plain, method
