@@ -63,6 +63,7 @@ SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep 
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")
 FORWARD = -1  # the `kind` of a forward program (a stretch of layers as one program)
+KEEP = -2  # the `kind` of a keeper program (moves a step's accepted keys into place in every layer)
 PLANS = 8  # skip plans whose forward programs a cache keeps (the least recently used goes first)
 Piece = tuple[Sequence[nn.Module] | None, range]  # a stretch of layers run as one program (modules standing in)
 LOG = logging.getLogger("specgui.fastpath")
@@ -135,7 +136,7 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             return [cache.forward_program(inputs, plan) for plan in plans]
         if pieces is not None:
             return [cache.forward_program(inputs, layers=layers, modules=modules) for modules, layers in pieces]
-        return ([cache.forward_program(inputs, record=record) for record in (False, True)]
+        return ([cache.forward_program(inputs, record=record) for record in (False, True)] + [cache.keeper(inputs.rows)]
                 + [cache.program(runner.layers[layer], layer, kind, inputs)
                    for layer in range(runner.num_layers) for kind in (ATTN, MLP) if inputs.rows == 1])
 
@@ -320,6 +321,36 @@ class StaticKVCache(KVCache):
             self.programs[key] = Program(run, example, self, capturable)
         return self.programs[key]
 
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """`KVCache.keep` as one program (`keeper`): a tree's accepted keys move into place in every layer by one
+        upload and one replay, not two device operations a layer for keys and two for values."""
+        if offsets == list(range(len(offsets))):
+            self.crop(start + len(offsets))
+            return
+        n = len(offsets)
+        program = self.keeper(bucket(n) or n)
+        moves = torch.full((2, program.input.shape[1]), self.capacity, dtype=torch.long)  # padding: scratch onto itself
+        moves[0, :n] = torch.tensor(offsets) + start
+        moves[1, :n] = torch.arange(start, start + n)
+        program.input.copy_(moves.pin_memory() if program.input.is_cuda else moves, non_blocking=True)
+        program()
+        self.lengths = [start + n] * len(self.lengths)
+
+    def keeper(self, rows: int) -> Program:
+        """The program moving up to `rows` keys and values of every layer: from the columns in its input's first row
+        to those in its second (made at warm-up per bucket; its output is read by nobody)."""
+        key = _key(None, KEEP, rows)
+        if key not in self.programs:
+
+            def run(moves: torch.Tensor) -> torch.Tensor:
+                for buffer in (*self.keys, *self.values):
+                    buffer.index_copy_(2, moves[1], buffer.index_select(2, moves[0]))
+                return moves[0]
+
+            example = torch.zeros(2, rows, dtype=torch.long, device=self.runner.device)
+            self.programs[key] = Program(run, example, self, True, read=False)
+        return self.programs[key]
 
     def units(self, block: nn.Module, layer: int, kinds: tuple[int, ...], h: torch.Tensor,
               inputs: BucketInputs) -> torch.Tensor:
