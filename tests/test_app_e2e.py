@@ -49,7 +49,7 @@ def test_generate_endpoint_streams_the_core_events_as_json(served, embedded_lm):
 def run_page(app: App, method: str, example: str | None = None, prompt: str = PROMPT, reuse: bool = False):
     values = app.panel.presets("SmolLM2-135M-Instruct", app.device)
     return list(app.run("embedded", method, "greedy", 0.7, 1.0, None, TOKENS, example, prompt, 1, reuse, 8.0, "auto",
-                        *values))
+                        "auto", *values))
 
 
 def test_page_run_streams_both_panes_then_the_summary(served):
