@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgui import compiled, costs, fastpath, kvcache, methods
@@ -29,6 +30,7 @@ from specgui.events import Event, Prefill, Start, Step, Summary, summarize
 from specgui.kvcache import to_device
 from specgui.loading import LoadedModel
 from specgui.methods.base import DecodeState
+from specgui.runner import VERIFY_TOP, Top
 from specgui.sampling import GREEDY, Sampling
 from specgui.text import Detokenizer, piece_in_context
 from specgui.verify import verify
@@ -145,7 +147,7 @@ def generate(
         clock = _Clock(runner.device)
         # prefill: the prompt forward yields the first new token
         n = len(prompt_ids)
-        logits = runner.forward(torch.tensor(prompt_ids), torch.arange(n), state.cache,
+        logits = runner.forward(np.asarray(prompt_ids, dtype=np.int64), np.arange(n), state.cache,
                                 observer=drafter.begin(state), logits_rows=slice(n - 1, n))
         verdict = verify(logits, Draft(), sampling, generator, before_read=clock.mark, riders=state.riders)
         state.riders = []
@@ -221,8 +223,9 @@ def run(lm: LoadedModel, prompt_ids: list[int], method: str = "baseline", **kwar
 costs.use_decoder(run)  # the cost model times plain steps with this loop without importing it
 
 
-def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits [1 + N, V] for the pending token and the tree nodes, and [E, V] for the extras if wanted."""
+def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor | Top, torch.Tensor | Top | None]:
+    """Logits [1 + N, V] for the pending token and the tree nodes, and [E, V] for the extras if wanted; under greedy
+    decoding their `Top`s (`Runner.forward(top=)`)."""
     c = state.committed
     tokens = [state.pending, *draft.tokens]
     positions = [c] + [c + d for d in draft.depths()]
@@ -230,7 +233,7 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, tor
     visibility = None if draft.is_chain else draft.visibility()
     if extras is not None:
         t = len(tokens) + len(extras.tokens)
-        full = torch.zeros(t, t, dtype=torch.bool)
+        full = np.zeros((t, t), dtype=bool)
         full[: len(tokens), : len(tokens)] = draft.visibility() if visibility is None else visibility
         full[len(tokens) :] = extras.visibility
         visibility = full
@@ -240,14 +243,16 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, tor
     want = extras is not None and extras.want_logits
     rows: torch.Tensor | slice = slice(None) if want else slice(0, n)
     if want and extras.logit_rows is not None:
-        rows = torch.cat([torch.arange(n), n + torch.tensor(extras.logit_rows, dtype=torch.long)])
-    ids = torch.tensor(tokens)
+        rows = torch.from_numpy(np.concatenate([np.arange(n), n + np.asarray(extras.logit_rows, dtype=np.int64)]))
+    ids: torch.Tensor | np.ndarray = np.asarray(tokens, dtype=np.int64)  # host values stay numpy: no tensor to read
     if draft.on_device is not None:  # the nodes stay on the device, after the pending token, before any extras
         device = draft.on_device.tokens.device
-        ids = torch.cat([to_device(ids[:1], device), draft.on_device.tokens, to_device(ids[1:], device)])
+        host = torch.from_numpy(ids)
+        ids = torch.cat([to_device(host[:1], device), draft.on_device.tokens, to_device(host[1:], device)])
     logits = state.runner.forward(
-        ids, torch.tensor(positions), state.cache, visibility=visibility, logits_rows=rows,
+        ids, np.asarray(positions, dtype=np.int64), state.cache, visibility=visibility, logits_rows=rows,
         observer=draft.observer, pre_layer=extras.pre_layer if extras else None,
+        top=VERIFY_TOP if state.sampling.greedy else 0,  # greedy reads the head's verdict, computed in the program
     )
     return logits[:n], (logits[n:] if want else None)
 

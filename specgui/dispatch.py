@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -90,7 +91,7 @@ class EagerOps(TorchDispatchMode):
         name = func.overloadpacket.__name__
         device = self.device()
         if not self.paused() and not func.is_view and name not in self.FREE and device is not None:
-            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]  # lists too (cat)
             if any(t.device == device for t in tensors):
                 self.counts[name] += 1
         return func(*args, **(kwargs or {}))

@@ -9,9 +9,11 @@ so one forward checks the whole tree and also carries work the drafter wants don
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgui.runner import Observer, PreLayer
@@ -30,7 +32,7 @@ class Extras:
 
     tokens: list[int]
     positions: list[int]
-    visibility: torch.Tensor
+    visibility: np.ndarray  # bool, built on the host
     pre_layer: PreLayer | None = None
     want_logits: bool = True
     logit_rows: list[int] | None = None
@@ -38,23 +40,25 @@ class Extras:
 
 @dataclass
 class OnDevice:
-    """Draft nodes still on the device: their tokens, whether each was drafted, and its draft probability.
+    """Draft nodes still on the device: their ids as the verify forward reads them, and the values the step's one
+    read brings back for them.
 
     Why: on a GPU every read of a device value stalls the host, and a model-drafted token is known only on the
     device. A drafter on the fast path drafts a fixed shape without reading (a chain of the size the policy chose,
-    SWIFT's widest tree) and leaves the cut to the values: `valid` is false for a node past the draft-exit (a
-    chain's first token under the threshold ends it) or beyond its position's width. The verify forward carries
-    every node; the step's one read brings these tensors with the target's verdict, and `Draft.settle` then keeps
-    the valid nodes, so the draft the step shows and the tokens it emits are those a drafter reading every token
-    would have made. `spine` lists the nodes of the drafted chain (the others are its siblings)."""
+    SWIFT's widest tree) and leaves the cut to the values: once the read is in, `decide` (host work over the read
+    `values`) says each node's token, whether it stands (a chain's first token under the draft-exit threshold ends
+    it; a sibling beyond its position's width), and its draft probability. The verify forward carries every node;
+    `Draft.settle` then keeps the valid ones, so the draft the step shows and the tokens it emits are those a
+    drafter reading every token would have made. `spine` lists the nodes of the drafted chain (the others are its
+    siblings)."""
 
-    tokens: torch.Tensor  # [N] long
-    valid: torch.Tensor  # [N] bool
-    confidences: torch.Tensor  # [N] float
+    tokens: torch.Tensor  # [N] ids (any dtype that holds them exactly), the verify forward's input for the nodes
+    values: torch.Tensor  # float32, read with the verdict
+    decide: Callable[[list[float]], tuple[list[int], list[bool], list[float]]]  # read values -> tokens, valid, probs
     spine: list[int]
 
     def packed(self) -> torch.Tensor:
-        return torch.cat([self.tokens.double(), self.valid.double(), self.confidences.double()])
+        return self.values.reshape(-1)
 
 
 @dataclass
@@ -109,11 +113,12 @@ class Draft:
         return self.tokens if self.on_device is None else self.on_device.tokens
 
     def settle(self, values: list[float]) -> None:
-        """Keep the valid nodes of an `on_device` draft, from the step's read of `OnDevice.packed`: tokens, parents
-        renumbered among the kept nodes (a kept node's parent is kept), `rows` and `confidences`."""
+        """Keep the valid nodes of an `on_device` draft, from the step's read of `OnDevice.packed` (`OnDevice.decide`
+        reads it): tokens, parents renumbered among the kept nodes (a kept node's parent is kept), `rows` and
+        `confidences`."""
         n = len(self.parents)
-        tokens, valid, confidences = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
-        kept = [i for i in range(n) if valid[i] > 0]
+        tokens, valid, confidences = self.on_device.decide(values)
+        kept = [i for i in range(n) if valid[i]]
         index = {old: new for new, old in enumerate(kept)}
         spine = set(self.on_device.spine)
         self.spine = [index[i] for i in kept if i in spine]
@@ -140,10 +145,11 @@ class Draft:
             kids.setdefault(i, [])
         return kids
 
-    def visibility(self) -> torch.Tensor:
-        """[1 + N, 1 + N] tree attention: each token sees the pending token, its ancestors and itself."""
+    def visibility(self) -> np.ndarray:
+        """[1 + N, 1 + N] tree attention: each token sees the pending token, its ancestors and itself (host work, in
+        numpy: the fast path uploads it with the pass's inputs, `Runner.forward`)."""
         n = len(self)
-        visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        visible = np.zeros((n + 1, n + 1), dtype=bool)
         visible[:, 0] = True
         for i, p in enumerate(self.parents):
             row = i + 1

@@ -50,13 +50,26 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from specgui import compiled
 from specgui.errors import SpecGUIError
-from specgui.kvcache import Cache, KVCache, Layout, to_device
-from specgui.runner import ATTN, MLP, Observer, Pass, Runner, SkipPlan, kept_units, sublayer, unit_index
+from specgui.kvcache import Cache, KVCache, Layout, to_device, upload
+from specgui.runner import (
+    ATTN,
+    MLP,
+    VERIFY_TOP,
+    Observer,
+    Pass,
+    Runner,
+    SkipPlan,
+    kept_units,
+    sublayer,
+    top_of,
+    unit_index,
+)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
@@ -64,6 +77,8 @@ SLACK = 512  # room past a run's last position for its largest forward (tree, br
 MODES = ("auto", "on", "off")
 FORWARD = -1  # the `kind` of a forward program (a stretch of layers as one program)
 KEEP = -2  # the `kind` of a keeper program (moves a step's accepted keys into place in every layer)
+CHAINED = -3  # the `kind` of a chained draft program (`StaticKVCache.chain`)
+CHAIN = 32  # the longest draft chain a chained program keeps (`LayerSkipParams.max_draft`'s bound)
 PLANS = 8  # skip plans whose forward programs a cache keeps (the least recently used goes first)
 Piece = tuple[Sequence[nn.Module] | None, range]  # a stretch of layers run as one program (modules standing in)
 LOG = logging.getLogger("specgui.fastpath")
@@ -121,22 +136,26 @@ def compiles_for(runner: Runner) -> bool:
 
 
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
-            buckets: Sequence[int] = BUCKETS) -> None:
-    """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, its
-    recording variant and, at one row, each sub-layer of every layer (what the cost model times: no pass runs a
-    sub-layer alone at more rows but a forward past the buckets, and a capture costs a device synchronisation and an
-    emptied allocator cache, so the 60 a bucket would be most of a cache's captures); given `pieces`, those stretches
-    of layers, one program each (`Drafter.pieces`); given `plans`, those skip plans' forwards. At `buckets`.
+            buckets: Sequence[int] = BUCKETS, top: int = VERIFY_TOP) -> None:
+    """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, the
+    same ending in a verify's head (`Runner.forward(top=)`), its recording variant and, at one row, each sub-layer
+    of every layer (what the cost model times: no pass runs a sub-layer alone at more rows but a forward past the
+    buckets, and a capture costs a device synchronisation and an emptied allocator cache, so the 60 a bucket would
+    be most of a cache's captures); given `pieces`, those stretches of layers, one program each (`Drafter.pieces`);
+    given `plans`, those skip plans' forwards, plain, ending in a head of `top` ids and chained (a draft's: `chain`).
+    At `buckets`.
     Captures run on inputs that touch only the scratch region, so the cache's contents stay as they are. Programs
     made before are skipped: a second call is free."""
     runner = cache.runner
 
     def wanted(inputs: BucketInputs) -> list[Program]:
         if plans:
-            return [cache.forward_program(inputs, plan) for plan in plans]
+            chained = [cache.chained_program(inputs, plan, top)[0] for plan in plans if inputs.rows == 1]
+            return [cache.forward_program(inputs, plan, top=k) for plan in plans for k in (0, top)] + chained
         if pieces is not None:
             return [cache.forward_program(inputs, layers=layers, modules=modules) for modules, layers in pieces]
-        return ([cache.forward_program(inputs, record=record) for record in (False, True)] + [cache.keeper(inputs.rows)]
+        return ([cache.forward_program(inputs, record=record) for record in (False, True)]
+                + [cache.forward_program(inputs, top=top), cache.keeper(inputs.rows)]
                 + [cache.program(runner.layers[layer], layer, kind, inputs)
                    for layer in range(runner.num_layers) for kind in (ATTN, MLP) if inputs.rows == 1])
 
@@ -147,9 +166,8 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             programs = [program for program in wanted(inputs) if not program.ready]
             if not programs:
                 continue
-            inputs.load(_WARM_UP, torch.zeros(rows, dtype=torch.long),
-                        [Layout(0, cache.capacity, cache.columns)] * runner.num_layers,
-                        torch.eye(rows, dtype=torch.bool))
+            inputs.load(_WARM_UP, np.zeros(rows, dtype=np.int64),
+                        [Layout(0, cache.capacity, cache.columns)] * runner.num_layers, np.eye(rows, dtype=bool))
             for program in programs:
                 program.prepare()
                 made += 1
@@ -158,11 +176,12 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
         cache.graph_bytes = torch.cuda.memory_allocated(runner.device) - cache.base_bytes
 
 
-def adopt(cache: Cache, plan: SkipPlan) -> None:
-    """Make a skip plan's draft forward (one row) ready before it is used, where `cache` is the fast path's: a method
-    calls it when it adopts a plan, so that the capture falls outside the steps it drafts in."""
+def adopt(cache: Cache, plan: SkipPlan, top: int = VERIFY_TOP) -> None:
+    """Make a skip plan's draft forward (one row; plain, and ending in a head of `top` ids) ready before it is used,
+    where `cache` is the fast path's: a method calls it when it adopts a plan, so that the capture falls outside the
+    steps it drafts in."""
     if isinstance(cache, StaticKVCache) and plan:
-        warm_up(cache, plans=[plan], buckets=(1,))
+        warm_up(cache, plans=[plan], buckets=(1,), top=top)
 
 
 def stats(runner: Runner) -> dict[str, Any]:
@@ -229,6 +248,7 @@ class StaticKVCache(KVCache):
         self.inputs: dict[int, BucketInputs] = {}
         self.programs: dict[tuple[Any, ...], Program] = {}
         self.plans: collections.OrderedDict[SkipPlan, None] = collections.OrderedDict()  # most recently used last
+        self.rings: dict[int, torch.Tensor] = {}  # per head width: a draft chain's Tops, row by row (`chain`)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.side = torch.cuda.Stream(device) if self.graphs else None  # every capture's warm-up runs here
         self.capture_s = 0.0
@@ -280,19 +300,21 @@ class StaticKVCache(KVCache):
         return self.programs[key]
 
     def forward_program(self, inputs: BucketInputs, skip: SkipPlan | None = None, layers: range | None = None,
-                        record: bool = False, modules: Sequence[nn.Module] | None = None) -> Program:
+                        record: bool = False, modules: Sequence[nn.Module] | None = None, top: int = 0) -> Program:
         """The program running `layers` at a bucket as one piece, `skip`'s sub-layers left out, `modules[layer]`
         standing in for the runner's layers where given (Fractal's compressed copies). Without `layers`: the whole
         model from token ids [1, Tb]; with them, from hidden states [1, Tb, H]. Out: the last layer's output
         [1, Tb, H], or, `record`ing, the state before the first and after every sub-layer [2 * len(layers) + 1, 1,
-        Tb, H] (a skipped one's: its input), the last being the output."""
+        Tb, H] (a skipped one's: its input), the last being the output; or, with `top` (the whole model, not
+        recording), the head's verdict on every row, the packed `runner.Top` [Tb, 3 top + 1]: the final norm, the
+        head and its reductions inside the program."""
         runner = self.runner
         embeds = layers is None
         layers = range(runner.num_layers) if layers is None else layers
         blocks = runner.layers if modules is None else modules
         skip = skip or None
         key = _key(None, FORWARD, inputs.rows, skip, layers.start, layers.stop, embeds, record,
-                   0 if modules is None else id(modules))
+                   0 if modules is None else id(modules), top)
         if skip is not None:
             self.plans[skip] = None
             self.plans.move_to_end(skip)
@@ -313,6 +335,8 @@ class StaticKVCache(KVCache):
                         if kind in kinds:
                             h = self.units(blocks[layer], layer, (kind,), h, inputs)
                         states.append(h)
+                if top:
+                    return top_of(runner.logits(h), top).packed
                 return torch.stack(states) if record else h
 
             shape = (1, inputs.rows) if embeds else (1, inputs.rows, runner.config.hidden_size)
@@ -322,6 +346,48 @@ class StaticKVCache(KVCache):
         return self.programs[key]
 
 
+    def chain(self, skip: SkipPlan, pending: int, start: int, limit: int, top: int) -> torch.Tensor:
+        """A layer-skip draft of `limit` tokens from `pending`, the host out of the loop: one load of the one-row
+        inputs, then `limit` replays of the plan's chained program, each of which feeds its choice to the next and
+        moves the inputs on by a row itself (`BucketInputs.advance`), so that a draft token costs the device one
+        replay and the host nothing to read. `start` is the committed length (the pending token's position). Returns
+        the draft's `Top`s [limit, 3 top + 1], packed (valid until the program runs again). The draft's keys stay
+        past `start`; the caller crops them."""
+        inputs = self.inputs_for(1)
+        program, ring = self.chained_program(inputs, skip, top)
+        for i in range(limit):
+            step = self.runner.new_pass(np.array([start + i]), self)  # each replay is a forward pass of its own
+            if i == 0:
+                step._load()
+                upload(program.input, np.array([[pending]]))
+            step.call(program)
+        inputs.owner = None  # moved on past what any pass loaded
+        return ring[:limit]
+
+    def chained_program(self, inputs: BucketInputs, skip: SkipPlan, top: int) -> tuple[Program, torch.Tensor]:
+        """The one-row program of a draft chain with `skip`'s sub-layers left out (made when a method adopts the plan,
+        `adopt`): the whole forward ending in the head's `Top` of `top` ids, which it also keeps in its row of the
+        chain's buffer (its position less the chain's origin) while its top-1 id becomes its own next input."""
+        key = _key(None, CHAINED, 1, skip, top)
+        ring = self.rings.get(top)
+        if ring is None:  # outside the graphs' pool, made before any capture that writes it
+            ring = self.rings[top] = torch.zeros(CHAIN, 3 * top + 1, device=self.runner.device)
+        if key not in self.programs:
+            forward = self.forward_program(inputs, skip, top=top)
+            attended = torch.tensor([layer for layer in range(self.runner.num_layers) if not skip.skips(layer, ATTN)],
+                                    dtype=torch.long, device=self.runner.device)
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                packed = forward.fn(x)
+                ring.index_copy_(0, inputs.positions[0, :1] - inputs.origin, packed)
+                x.copy_(packed[:, :1].long())
+                inputs.advance(attended)
+                return packed
+
+            capturable = all(getattr(layer, "capturable", True) for layer in self.runner.layers)
+            self.programs[key] = Program(run, forward.input, self, capturable, read=False)
+        return self.programs[key], ring
+
     def keep(self, start: int, offsets: list[int]) -> None:
         """`KVCache.keep` as one program (`keeper`): a tree's accepted keys move into place in every layer by one
         upload and one replay, not two device operations a layer for keys and two for values."""
@@ -330,10 +396,10 @@ class StaticKVCache(KVCache):
             return
         n = len(offsets)
         program = self.keeper(bucket(n) or n)
-        moves = torch.full((2, program.input.shape[1]), self.capacity, dtype=torch.long)  # padding: scratch onto itself
-        moves[0, :n] = torch.tensor(offsets) + start
-        moves[1, :n] = torch.arange(start, start + n)
-        program.input.copy_(moves.pin_memory() if program.input.is_cuda else moves, non_blocking=True)
+        moves = np.full((2, program.input.shape[1]), self.capacity, dtype=np.int64)  # padding: scratch onto itself
+        moves[0, :n] = np.add(offsets, start)
+        moves[1, :n] = np.arange(start, start + n)
+        upload(program.input, moves)
         program()
         self.lengths = [start + n] * len(self.lengths)
 
@@ -417,6 +483,7 @@ class BucketInputs:
     mask: torch.Tensor  # [L, 1, 1, Tb, C] bool
     index: torch.Tensor  # [L, Tb] where each row's keys go, per layer
     live: torch.Tensor  # [L, 1, 1, C, 1] bool: the columns some row sees, per layer
+    origin: torch.Tensor  # [1] the first row's position as loaded (a draft chain's rows count from it)
     owner: object = field(default=None, repr=False)
     builder: Program | None = field(default=None, repr=False)  # a bucket's: fills the tensors above from the upload
 
@@ -428,7 +495,8 @@ class BucketInputs:
         made = cls(store, rows, positions, cos, sin,
                    torch.zeros(runner.num_layers, 1, 1, rows, store.columns, dtype=torch.bool, device=device),
                    torch.zeros(runner.num_layers, rows, dtype=torch.long, device=device),
-                   torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device))
+                   torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device))
         if bucket(rows) == rows:  # a bucket's inputs live on; a larger forward's are made for its one pass
             upload = torch.zeros(rows + 2 * runner.num_layers + rows * rows, dtype=torch.long, device=device)
             made.builder = Program(made._build, upload, store, True, read=False)
@@ -444,27 +512,27 @@ class BucketInputs:
         live = self.live[layer_idx]
         return k.masked_fill(~live, 0), v.masked_fill(~live, 0)
 
-    def load(self, owner: object, positions: torch.Tensor, layouts: list[Layout], visible: torch.Tensor) -> None:
-        """Fill these inputs for a forward at `positions` [T] (host) with `visible` [T, T], unless `owner`'s
-        are here: one upload of [positions, prefixes, offsets, visible block] packed in one host tensor, then one
-        program (`builder`, a CUDA graph on a GPU) builds the rotary tables, masks and write indices from it, so that
-        a pass's inputs cost the device one copy and one replay, not a launch per operation."""
+    def load(self, owner: object, positions: np.ndarray, layouts: list[Layout], visible: np.ndarray) -> None:
+        """Fill these inputs for a forward at `positions` [T] with `visible` [T, T] (bool; both on the host, numpy),
+        unless `owner`'s are here: one upload of [positions, prefixes, offsets, visible block] packed on the host,
+        then one program (`builder`, a CUDA graph on a GPU) builds the rotary tables, masks and write indices from
+        it, so that a pass's inputs cost the device one copy and one replay, not a launch per operation."""
         if self.owner is owner:
             return
         t, rows, n = positions.shape[0], self.rows, len(layouts)
-        packed = torch.empty(rows + 2 * n + rows * rows, dtype=torch.long)
+        packed = np.empty(rows + 2 * n + rows * rows, dtype=np.int64)
         packed[:t] = positions
         packed[t:rows] = positions[-1]  # any real position: padded rows are never read
-        packed[rows : rows + n] = torch.tensor([x.prefix for x in layouts])
-        packed[rows + n : rows + 2 * n] = torch.tensor([x.offset for x in layouts])
-        block = torch.eye(rows, dtype=torch.long)  # a padded row sees only itself
+        packed[rows : rows + n] = [x.prefix for x in layouts]
+        packed[rows + n : rows + 2 * n] = [x.offset for x in layouts]
+        block = np.eye(rows, dtype=np.int64)  # a padded row sees only itself
         block[:t, :t] = visible
-        packed[rows + 2 * n :] = block.view(-1)
+        packed[rows + 2 * n :] = block.reshape(-1)
         builder = self.builder
         if builder is None:  # beyond the buckets: built as it comes, for this one pass
-            self._build(to_device(packed, self.positions.device))
+            self._build(to_device(torch.from_numpy(packed), self.positions.device))
         else:
-            builder.input.copy_(packed.pin_memory() if builder.input.is_cuda else packed, non_blocking=True)
+            upload(builder.input, packed)
             builder()
         self.owner = owner
 
@@ -480,7 +548,28 @@ class BucketInputs:
                         .unsqueeze(1).unsqueeze(1))
         self.live.copy_(self.mask.any(3).unsqueeze(-1))
         self.index.copy_(offset + torch.arange(rows, device=data.device))
+        self.origin.copy_(data[:1])
         return self.positions
+
+    def advance(self, attended: torch.Tensor) -> None:
+        """Inside a chained draft program (`StaticKVCache.chain`), one row's inputs moved on by a position: the next
+        row sees the key this one wrote in every layer whose attention ran (`attended`, layer indices), and writes
+        its own one column further; the other layers' keys stay where they were. What the builder would make from the
+        next pass's upload, made on the device."""
+        layers, columns = self.index.shape[0], self.store.columns
+        written = self.index.index_select(0, attended)[:, 0] + 1  # the next row's own column, per attended layer
+        self.mask.view(layers, columns).index_put_((attended, written), torch.ones_like(written, dtype=torch.bool))
+        self.live.view(layers, columns).index_put_((attended, written), torch.ones_like(written, dtype=torch.bool))
+        self.index.index_copy_(0, attended, written[:, None])
+        self.positions.add_(1)
+        cos, sin = self.store.runner.rotary(self.cos, self.positions)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+
+def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Host values as numpy: an array as it is; a tensor read (on a GPU, a host tensor's read waits for nothing)."""
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
 
 
 def masks(prefix: torch.Tensor, offset: torch.Tensor, block: torch.Tensor, columns: int) -> torch.Tensor:
@@ -569,17 +658,17 @@ class Program:
 class StaticPass(Pass):
     """A forward over a `StaticKVCache` (or a view of one): bucketed rows, programs, device-side inputs."""
 
-    def __init__(self, runner: Runner, positions: torch.Tensor, cache: StaticKVCache | StaticView,
-                 visibility: torch.Tensor | None) -> None:
-        # positions stay on the host (callers build them there): they reach the device inside the one upload
+    def __init__(self, runner: Runner, positions: torch.Tensor | np.ndarray, cache: StaticKVCache | StaticView,
+                 visibility: torch.Tensor | np.ndarray | None) -> None:
+        # positions and visibility stay on the host (callers build them there, in numpy where the step is timed): they
+        # reach the device inside the one upload
         self.runner, self.cache, self.visibility = runner, cache, visibility
-        self.host_positions = positions.view(-1) if positions.device.type == "cpu" else positions.view(-1).cpu()
+        self.host_positions = _host(positions).reshape(-1)
         t = self.length = self.host_positions.shape[0]
         self.store = cache.store
         self.writes = isinstance(cache, StaticKVCache)  # a view stores nothing
         self.layouts = [cache.layout(layer, t) for layer in range(runner.num_layers)]
-        self.visible = (torch.ones(t, t, dtype=torch.bool).tril() if visibility is None
-                        else visibility.to(device="cpu", dtype=torch.bool))
+        self.visible = np.tri(t, dtype=bool) if visibility is None else _host(visibility).astype(bool, copy=False)
         self.bucketed = bucket(t) is not None
         self.inputs = self.store.inputs_for(bucket(t) or t)
 
@@ -590,18 +679,23 @@ class StaticPass(Pass):
         """Run one of this pass's programs (every program call goes through here: `dispatch` counts them per pass)."""
         return program()
 
-    def whole_forward(self, tokens: torch.Tensor, skip: SkipPlan | None = None,
-                      observer: Observer | None = None) -> torch.Tensor | None:
-        """The whole forward as one program: token ids [T] (host or device) -> last layer's output [1, T, H]. An
-        observer hears every state once the program has run, from copies (the output buffer is reused)."""
+    def whole_forward(self, tokens: torch.Tensor | np.ndarray, skip: SkipPlan | None = None,
+                      observer: Observer | None = None, top: int = 0) -> torch.Tensor | None:
+        """The whole forward as one program: token ids [T] (host values, numpy or a tensor, or device values) -> last
+        layer's output [1, T, H], or with `top` the packed `Top` [T, 3 top + 1] of its rows (the head inside the
+        program). An observer hears every state once the program has run, from copies (the output buffer is
+        reused)."""
         if not self.bucketed:
             return None
         self._load()
         t = self.length
-        program = self.store.forward_program(self.inputs, skip, record=observer is not None)
-        program.input[0, :t].copy_(to_device(tokens.view(-1), program.input.device))
+        program = self.store.forward_program(self.inputs, skip, record=observer is not None, top=top)
+        upload(program.input[0, :t], tokens.reshape(-1) if isinstance(tokens, np.ndarray) or tokens.device.type != "cpu"
+               else _host(tokens).reshape(-1))
         out = self.call(program)
         self._wrote(range(self.runner.num_layers), skip)
+        if top:
+            return out[:t]
         if observer is None:
             return out[:, :t]
         states = out[:, :, :t].clone()

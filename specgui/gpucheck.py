@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgui import REPO_DIR, attention, bench, cpu_layers, decode, fastpath, methods
@@ -584,8 +585,8 @@ def compiled_figures(lm: LoadedModel) -> dict[str, Any]:
     cache.graphs = cache.compiled = False  # the eager program's function, called as it is
     inputs = cache.inputs_for(1)
     with torch.inference_mode(), cpu_layers.suspended():  # transformers' modules, as a program on a GPU runs them
-        inputs.load(None, torch.tensor([0]), [cache.layout(layer, 1) for layer in range(runner.num_layers)],
-                    torch.ones(1, 1, dtype=torch.bool))
+        inputs.load(None, np.zeros(1, dtype=np.int64), [cache.layout(layer, 1) for layer in range(runner.num_layers)],
+                    np.ones((1, 1), dtype=bool))
         h = runner.embed(torch.zeros(1, 1, dtype=torch.long, device=runner.device))
         with dispatch.EagerOps(ops, lambda: runner.device, lambda: 0):
             cache.units(runner.layers[0], 0, (0, 1), h, inputs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 MIN_CAPACITY = 256
@@ -29,6 +30,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.device == device:
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def upload(target: torch.Tensor, values: np.ndarray | torch.Tensor) -> None:
+    """Write `values` into the device tensor `target` (its shape) as one copy: host values (numpy, built on the host
+    where the step is timed) on CUDA non-blocking from pinned memory (`to_device`); device values as they are. On a
+    GPU the copy is a launch, and `specgui.dispatch` counts it as one on any device."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+    if host.device.type == "cpu" and target.device.type == "cuda":
+        host = host.pin_memory()
+    target.copy_(host, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -140,7 +151,7 @@ class KVCache:
             self.crop(start + len(offsets))
             return
         end = start + len(offsets)
-        host = torch.tensor([start + o for o in offsets])
+        host = torch.as_tensor([start + o for o in offsets])
         indices: dict[torch.device, torch.Tensor] = {}  # one upload per device, not one per layer
         for layer, buf in enumerate(self.keys):
             if buf is None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,6 +35,7 @@ from specgui.errors import SpecGUIError
 from specgui.kvcache import Cache, Layout, to_device
 
 ATTN, MLP = 0, 1
+VERIFY_TOP = 2  # the ids a verify's head keeps per row (`Top`): the target's choice and the runner-up, for the margin
 
 # observer(k, h): k = 0 is the embedding output, k = unit_index(layer, kind) the state after that sub-layer.
 Observer = Callable[[int, torch.Tensor], None]
@@ -48,6 +50,49 @@ class DraftHead(Protocol):
     logits [R, V] of final-normed states [R, H], -inf for the ids it leaves out."""
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Top:
+    """The head's verdict on some rows, in one float32 tensor [R, 3k + 1] that a step reads with one read: per row
+    the k likeliest ids (exact in float32: vocabularies are far below 2**24), their logits, their probabilities,
+    and the top-1 minus top-2 logit margin. The fast path computes it inside a forward's program; elsewhere
+    `top_of` computes it from the logits, by the same arithmetic, so that every greedy choice (a verify's, a
+    draft's) is made alike on every path."""
+
+    packed: torch.Tensor
+    k: int
+
+    def __len__(self) -> int:
+        return self.packed.shape[0]
+
+    def __getitem__(self, rows: slice) -> Top:
+        return Top(self.packed[rows], self.k)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.packed[:, : self.k]
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self.packed[:, 2 * self.k : 3 * self.k]
+
+
+def top_of(logits: torch.Tensor, k: int) -> Top:
+    """The `Top` of float logits [R, V] (k at least 2: the margin needs the runner-up)."""
+    k = max(2, k)
+    values, ids = logits.topk(k, dim=-1)
+    probs = (values - logits.logsumexp(-1, keepdim=True)).exp()
+    return Top(torch.cat([ids.float(), values, probs, values[:, :1] - values[:, 1:2]], dim=1), k)
+
+
+def as_tensor(values: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A host numpy array as a tensor sharing its memory (a tensor as it is)."""
+    return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+
+
+def _rows_of(packed: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    return packed[rows] if isinstance(rows, slice) else packed.index_select(0, to_device(rows, packed.device))
 
 
 @dataclass(frozen=True)
@@ -145,50 +190,64 @@ class Runner:
 
     def forward(
         self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
+        tokens: torch.Tensor | np.ndarray,
+        positions: torch.Tensor | np.ndarray,
         cache: Cache,
         *,
-        visibility: torch.Tensor | None = None,
+        visibility: torch.Tensor | np.ndarray | None = None,
         skip: SkipPlan | None = None,
         logits_rows: torch.Tensor | slice | None = None,
         observer: Observer | None = None,
         pre_layer: PreLayer | None = None,
         vocab: DraftHead | None = None,
-    ) -> torch.Tensor:
+        top: int = 0,
+    ) -> torch.Tensor | Top:
         """Run new `tokens` [T] at absolute `positions` [T] over `cache`; return float logits [R, V].
 
         `visibility` [T, T] (bool, row attends to column) says which new tokens see each other; every
-        new token sees the whole cached prefix. None means causal. `logits_rows` picks the rows whose
-        logits are computed (None: all). Keys and values of every executed attention are appended to
-        `cache` (pass `cache.view(n)` to leave it untouched).
+        new token sees the whole cached prefix. None means causal. Host values may come as numpy arrays (tokens,
+        positions, visibility): the fast path packs them into its one upload as they are, where a host tensor would
+        be read first (on a CPU a read like any other: `specgui.dispatch` cannot tell the host's from the device's).
+        `logits_rows` picks the rows whose logits are computed (None: all). Keys and values of every executed
+        attention are appended to `cache` (pass `cache.view(n)` to leave it untouched).
+
+        `top` = k > 0 returns the head's verdict on those rows instead (`Top`: the k likeliest ids, their logits and
+        probabilities, the top-two margin), what greedy decoding reads; on the fast path the forward's one program
+        computes it after the last layer, so that the final norm, the head and the reductions run inside it (on a
+        GPU, captured with the layers instead of a launch each).
 
         A cache with `chunk_rows` (the fast path's) takes a causal forward over more tokens than that as
         consecutive chunks, each seeing the ones before through the cache: the same result, in the shapes
         the cache has programs for. An observer then hears each state once, for all rows. With a draft
         vocabulary (`specgui.vocab`) the head computes its ids' logits only, -inf elsewhere.
         """
+        top = max(2, top) if top else 0
         chunk = getattr(cache, "chunk_rows", None)
         if chunk is None or len(tokens) <= chunk or visibility is not None or pre_layer is not None:
-            return self.logits(self._hidden(tokens, positions, cache, visibility, skip, observer, pre_layer),
-                               logits_rows, vocab)
+            step = self.new_pass(positions, cache, visibility)
+            if top and pre_layer is None and observer is None and vocab is None:
+                packed = step.whole_forward(tokens, skip, top=top)
+                if packed is not None:
+                    return Top(packed if logits_rows is None else _rows_of(packed, logits_rows), top)
+            logits = self.logits(self._hidden(step, tokens, skip, observer, pre_layer), logits_rows, vocab)
+            return top_of(logits, top) if top else logits
         states: dict[int, list[torch.Tensor]] = {}
         collect = None if observer is None else (lambda k, h: states.setdefault(k, []).append(h))
-        parts = [self._hidden(tokens[a : a + chunk], positions[a : a + chunk], cache, None, skip, collect,
+        parts = [self._hidden(self.new_pass(positions[a : a + chunk], cache), tokens[a : a + chunk], skip, collect,
                               None).clone() for a in range(0, len(tokens), chunk)]  # clone: outputs are reused
         for k, hs in states.items():
             observer(k, torch.cat(hs, dim=1))
-        return self.logits(torch.cat(parts, dim=1), logits_rows, vocab)
+        logits = self.logits(torch.cat(parts, dim=1), logits_rows, vocab)
+        return top_of(logits, top) if top else logits
 
-    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None,
-                skip: SkipPlan | None, observer: Observer | None, pre_layer: PreLayer | None) -> torch.Tensor:
-        """The last layer's output [1, T, H] of one forward."""
-        step = self.new_pass(positions, cache, visibility)
+    def _hidden(self, step: Pass, tokens: torch.Tensor | np.ndarray, skip: SkipPlan | None, observer: Observer | None,
+                pre_layer: PreLayer | None) -> torch.Tensor:
+        """The last layer's output [1, T, H] of one forward, the pass `step`."""
         if pre_layer is None:
             h = step.whole_forward(tokens, skip, observer)
             if h is not None:
                 return h
-        h = self.embed(to_device(tokens, self.embed_device).view(1, -1))
+        h = self.embed(to_device(as_tensor(tokens), self.embed_device).view(1, -1))
         if observer is not None:
             observer(0, h)
         hooked = frozenset() if pre_layer is None else frozenset(getattr(pre_layer, "layers", range(self.num_layers)))
@@ -216,7 +275,8 @@ class Runner:
             h = pre_layer(self.num_layers, h, step)
         return h
 
-    def new_pass(self, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None = None) -> Pass:
+    def new_pass(self, positions: torch.Tensor | np.ndarray, cache: Cache,
+                 visibility: torch.Tensor | np.ndarray | None = None) -> Pass:
         """The state one forward's sub-layers share; over the fast path's static cache, a `StaticPass`."""
         return getattr(cache, "pass_type", Pass)(self, positions, cache, visibility)
 
@@ -234,9 +294,10 @@ class Runner:
 class Pass:
     """What every sub-layer of one forward shares: positions, rotary tables per device, masks, cache."""
 
-    def __init__(self, runner: Runner, positions: torch.Tensor, cache: Cache, visibility: torch.Tensor | None) -> None:
+    def __init__(self, runner: Runner, positions: torch.Tensor | np.ndarray, cache: Cache,
+                 visibility: torch.Tensor | np.ndarray | None) -> None:
         self.runner = runner
-        self.positions = to_device(positions, runner.embed_device).view(1, -1)
+        self.positions = to_device(as_tensor(positions), runner.embed_device).view(1, -1)
         self.cache = cache
         self.visibility = visibility
         self.length = self.positions.shape[1]
@@ -267,7 +328,7 @@ class Pass:
                 return None  # one new token that sees everything: no mask needed
             visible = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         else:
-            visible = self.visibility.to(device=device, dtype=torch.bool)
+            visible = as_tensor(self.visibility).to(device=device, dtype=torch.bool)
         allowed = torch.zeros(t, layout.columns, dtype=torch.bool, device=device)
         allowed[:, : layout.prefix] = True
         allowed[:, layout.offset : layout.offset + t] = visible
@@ -330,9 +391,10 @@ class Pass:
         return h
 
     def whole_forward(self, tokens: torch.Tensor, skip: SkipPlan | None = None,
-                      observer: Observer | None = None) -> torch.Tensor | None:
-        """The last layer's output of the whole forward, `skip`'s sub-layers left out, `observer` told every state,
-        in one piece where this path has such a program (the fast path's); None: the caller runs the sub-layers."""
+                      observer: Observer | None = None, top: int = 0) -> torch.Tensor | None:
+        """The last layer's output of the whole forward, `skip`'s sub-layers left out, `observer` told every state
+        (or, with `top`, the packed `Top` of every row), in one piece where this path has such a program (the fast
+        path's); None: the caller runs the sub-layers."""
         return None
 
     def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:

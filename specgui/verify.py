@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specgui.draft import Draft, Rider
+from specgui.runner import VERIFY_TOP, Top, top_of
 from specgui.sampling import Sampling, probabilities
 
 
@@ -33,36 +34,43 @@ class Verdict:
     extra_tokens: list[int] | None = None  # the target's argmax at each extra row whose logits came back
 
 
-def verify(logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: torch.Generator | None,
-           extra_logits: torch.Tensor | None = None, before_read: Callable[[], None] | None = None,
+def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generator: torch.Generator | None,
+           extra_logits: torch.Tensor | Top | None = None, before_read: Callable[[], None] | None = None,
            riders: Sequence[Rider] = ()) -> Verdict:
-    """Decide a draft against target `logits` [1 + N, V] (row 0: the pending token, row i + 1: node i).
+    """Decide a draft against target `logits` [1 + N, V] (row 0: the pending token, row i + 1: node i), or, under
+    greedy decoding, against their `Top` (what the fast path's program computes: `Runner.forward(top=)`).
 
-    Under greedy decoding the step reads the device once: the target's argmax and margin of every row, the argmax
-    of `extra_logits`, an `on_device` draft's nodes and the `riders`' values travel in one tensor (`before_read` is
-    called just before, where the decode loop marks its clock), and the walk down the tree runs on the host over
-    that read. Sampling reads as it goes (the acceptance test draws per child)."""
-    parts = [logits.argmax(-1).double(), _margins(logits).double()]
-    if extra_logits is not None and len(extra_logits):
-        parts.append(extra_logits.argmax(-1).double())
+    Under greedy decoding the step reads the device once: the target's choice and margin of every row, the choice
+    at every row of `extra_logits`, an `on_device` draft's nodes and the `riders`' values travel in one tensor
+    (`before_read` is called just before, where the decode loop marks its clock), and the walk down the tree runs on
+    the host over that read. Sampling reads as it goes (the acceptance test draws per child)."""
+    if not sampling.greedy and isinstance(logits, Top):
+        raise TypeError("sampling verifies against logits: a Top keeps only the likeliest ids")
+    target = logits if isinstance(logits, Top) else top_of(logits, VERIFY_TOP)
+    extra = extra_logits if extra_logits is None or isinstance(extra_logits, Top) else top_of(extra_logits,
+                                                                                            VERIFY_TOP)
+    parts = [target.packed]
+    if extra is not None and len(extra):
+        parts.append(extra.ids[:, 0])
     if draft.on_device is not None:
         parts.append(draft.on_device.packed())
-    device = parts[0].device
-    parts += [rider.device.reshape(-1).to(device, torch.float64) for rider in riders]
+    parts += [rider.device.reshape(-1).float() for rider in riders]
     if before_read is not None:
         before_read()
-    values = torch.cat(parts).tolist()  # the step's one read
+    values = _one_read(parts)
     end = len(values)
     for rider in reversed(riders):
         start = end - rider.device.numel()
         rider.values, end = values[start:end], start
     values = values[:end]
-    rows = len(logits)
-    best, margins = [int(v) for v in values[:rows]], values[rows : 2 * rows]
-    extras = len(extra_logits) if extra_logits is not None else 0
-    extra_tokens = [int(v) for v in values[2 * rows : 2 * rows + extras]] if extra_logits is not None else None
+    rows, width = len(target), target.packed.shape[1]
+    best = [int(values[r * width]) for r in range(rows)]
+    margins = [values[r * width + width - 1] for r in range(rows)]
+    extras = len(extra) if extra is not None else 0
+    done = rows * width
+    extra_tokens = [int(v) for v in values[done : done + extras]] if extra is not None else None
     if draft.on_device is not None:
-        draft.settle(values[2 * rows + extras :])
+        draft.settle(values[done + extras :])
     children = draft.children()
     path, token, corrected = (_greedy(best, draft, children) if sampling.greedy
                               else _sample(logits, draft, children, sampling, generator))
@@ -70,9 +78,13 @@ def verify(logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: to
     return Verdict(path, token, corrected, kept, extra_tokens)
 
 
-def _margins(logits: torch.Tensor) -> torch.Tensor:
-    top = logits.topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
+def _one_read(parts: list[torch.Tensor]) -> list[float]:
+    """The values of `parts` (float32, on one device) flattened, in one read of the device: one tensor read as it
+    is, several joined first (one device operation)."""
+    if len(parts) == 1:
+        return parts[0].reshape(-1).tolist()
+    device = parts[0].device
+    return torch.cat([part.reshape(-1).to(device) for part in parts]).tolist()
 
 
 def _greedy(best: list[int], draft: Draft, children: dict[int, list[int]]) -> tuple[list[int], int, bool]:

@@ -53,7 +53,7 @@ def test_extras_mask_is_block_diagonal_and_blind_to_candidates(tiny_lm):
     drafter.fed = {0: [5, 6, 7], 1: [8, 9]}
     extras = drafter._extras(committed=10, nodes=4)
     assert extras.tokens == [5, 6, 7, 8, 9] and extras.positions == [11, 12, 13, 11, 12]
-    v = extras.visibility.int().tolist()  # columns: pending, 4 candidate nodes, 5 branch tokens
+    v = extras.visibility.astype(int).tolist()  # columns: pending, 4 candidate nodes, 5 branch tokens
     assert v == [
         [1, 0, 0, 0, 0, 1, 0, 0, 0, 0],
         [1, 0, 0, 0, 0, 1, 1, 0, 0, 0],

@@ -27,13 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from specgui import fastpath
 from specgui.draft import Draft, OnDevice, Outcome
 from specgui.methods.base import DecodeState, Drafter
 from specgui.methods.policy import Plan, SizedParams
 from specgui.params import param
-from specgui.runner import Observer, SkipPlan
+from specgui.runner import Observer, SkipPlan, Top, top_of
 from specgui.sampling import Sampling, probabilities
 from specgui.vocab import DraftVocab, head_ms
 
@@ -51,38 +53,55 @@ class Chain:
 
 @dataclass
 class UnreadChain:
-    """A chain drafted on the device (`DecodeState.unread`): `limit` tokens whatever their confidence, their top-1
-    probabilities, the runner-ups [k, alternatives] with theirs, and which tokens the exit threshold lets stand."""
+    """A chain drafted on the device (`DecodeState.unread`): `limit` tokens whatever their confidence, as the draft
+    head's verdicts (`Top`: a row per chain position, its token first, then the runners-up, with their draft
+    probabilities), and the exit threshold that decides, once they are read, which tokens stand."""
 
-    tokens: torch.Tensor  # [k] long
-    confidences: torch.Tensor  # [k] float
-    alternatives: torch.Tensor  # [k, a] long
-    alternative_probs: torch.Tensor  # [k, a] float
-    valid: torch.Tensor  # [k] bool: every token before this one reached the threshold
+    top: Top
+    threshold: float
+
+    def rows(self, values: list[float]) -> list[tuple[list[int], list[float]]]:
+        """The read `values` of `top.packed`, per chain position: (ids, their draft probabilities)."""
+        k, width = self.top.k, self.top.packed.shape[1]
+        rows = [values[i * width : (i + 1) * width] for i in range(len(self.top))]
+        return [([int(v) for v in row[:k]], row[2 * k : 3 * k]) for row in rows]
+
+    def standing(self, confidences: list[float]) -> list[bool]:
+        """Whether each chain token stands: every token before it reached the threshold (`draft_chain`'s exit)."""
+        out, standing = [], True
+        for confidence in confidences:
+            out.append(standing)
+            standing = standing and confidence >= self.threshold
+        return out
+
+    def decide(self, values: list[float]) -> tuple[list[int], list[bool], list[float]]:
+        """`OnDevice.decide` for the chain itself: its tokens, which stand, their draft probabilities."""
+        rows = self.rows(values)
+        confidences = [probs[0] for _, probs in rows]
+        return [ids[0] for ids, _ in rows], self.standing(confidences), confidences
 
 
 def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0,
                  vocab: DraftVocab | None = None) -> UnreadChain:
     """`draft_chain` under greedy decoding without reading the device: each token feeds the next forward where it
-    lies, and the exit is applied to the values (`valid`) instead of stopping the loop. It drafts past the exit (on a
-    GPU a one-row forward costs a replay, a read would stall the host every token); the tokens that stand are
-    those `draft_chain` drafts."""
-    runner, start = state.runner, state.committed
-    token: torch.Tensor = torch.tensor([state.pending])
-    tokens, confidences, alts, alt_probs = [], [], [], []
-    for i in range(limit):
-        probs = runner.forward(token, torch.tensor([start + i]), state.cache, skip=plan, vocab=vocab)[0].softmax(-1)
-        top = probs.topk(min(alternatives + 1, probs.numel()))
-        token = top.indices[:1]
-        tokens.append(token)
-        confidences.append(top.values[:1])
-        alts.append(top.indices[1:])
-        alt_probs.append(top.values[1:])
+    lies, and the exit is applied to the values once read (`UnreadChain.decide`) instead of stopping the loop. It
+    drafts past the exit (on a GPU a one-row forward costs a replay, a read would stall the host every token); the
+    tokens that stand are those `draft_chain` drafts. With the full head the whole chain is the plan's chained
+    program replayed (`StaticKVCache.chain`: nothing on the host between tokens); a draft vocabulary's head runs
+    after each pass's program."""
+    start, top = state.committed, max(2, alternatives + 1)
+    if vocab is None and isinstance(state.cache, fastpath.StaticKVCache):
+        packed = state.cache.chain(plan, state.pending, start, limit, top)
+    else:
+        token: torch.Tensor | np.ndarray = np.array([state.pending])
+        parts = []
+        for i in range(limit):
+            got = state.runner.forward(token, np.array([start + i]), state.cache, skip=plan, vocab=vocab, top=top)
+            parts.append(got.packed)
+            token = got.ids[:, 0].long()
+        packed = torch.cat(parts)
     state.cache.crop(start)
-    confidences_ = torch.cat(confidences)
-    reached = (confidences_ >= threshold).long()
-    valid = torch.cat([reached.new_ones(1), reached[:-1]]).cumprod(0).bool()
-    return UnreadChain(torch.cat(tokens), confidences_, torch.stack(alts), torch.stack(alt_probs), valid)
+    return UnreadChain(Top(packed, top), threshold)
 
 
 def draft_sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
@@ -112,17 +131,20 @@ def draft_chain(state: DecodeState, plan: SkipPlan, limit: int, threshold: float
     for i in range(limit):
         logits = runner.forward(torch.tensor([token]), torch.tensor([start + i]), state.cache, skip=plan,
                                 vocab=vocab)[0]
-        if sampling.greedy:
-            probs = logits.softmax(-1)
-            token = int(probs.argmax())
+        if sampling.greedy:  # the head's verdict as `draft_unread` and the verify read it (`top_of`)
+            best = top_of(logits[None], alternatives + 1)
+            ranked = list(zip(best.ids[0].long().tolist(), best.probs[0].tolist()))
+            token, confidence = ranked[0]
         else:
             token, probs = draft_sample(logits, sampling, state.generator)
             dists.append(probs)
+            confidence, ranked = float(probs.max()), []
+            if alternatives > 0:
+                top = probs.topk(min(alternatives + 1, probs.numel()))
+                ranked = list(zip(top.indices.tolist(), top.values.tolist()))
         tokens.append(token)
-        confidences.append(float(probs.max()))
+        confidences.append(confidence)
         if alternatives > 0:
-            top = probs.topk(min(alternatives + 1, probs.numel()))
-            ranked = zip(top.indices.tolist(), top.values.tolist())
             others.append([(t, p) for t, p in ranked if t != token][:alternatives])
         if confidences[-1] < threshold:
             reason = "threshold"
@@ -251,7 +273,8 @@ class LayerSkipDrafter(Drafter):
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The fixed-shape draft an `UnreadChain` verifies as (`proposal`'s counterpart): the chain itself here."""
-        return Draft(on_device=OnDevice(chain.tokens, chain.valid, chain.confidences, list(range(len(chain.tokens)))))
+        return Draft(on_device=OnDevice(chain.top.ids[:, 0], chain.top.packed, chain.decide,
+                                        list(range(len(chain.top)))))
 
     def settled_chain(self, draft: Draft) -> Chain:
         """The `Chain` a read-as-you-go draft would have made, from an unread draft the step's read settled."""

@@ -34,7 +34,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from specgui.draft import Draft, Extras, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
@@ -52,7 +52,7 @@ class LookaheadParams(SizedParams):
     pool_from_prompt: bool = param(help="also put the prompt's and the output's own n-grams in the pool")
 
 
-def window_visibility(width: int, levels: int, nodes: int) -> torch.Tensor:
+def window_visibility(width: int, levels: int, nodes: int) -> np.ndarray:
     """[E, 1 + nodes + E] mask of the window rows, E = (width - 1) + (levels - 1) x width.
 
     Block 0 is [pending, level-0 guesses...] (the pending token is row 0 of the verify block, the guesses the
@@ -64,7 +64,7 @@ def window_visibility(width: int, levels: int, nodes: int) -> torch.Tensor:
         return nodes + width + (level - 1) * width + j
 
     extra = (width - 1) + (levels - 1) * width
-    visible = torch.zeros(extra, 1 + nodes + extra, dtype=torch.bool)
+    visible = np.zeros((extra, 1 + nodes + extra), dtype=bool)  # host work: numpy, uploaded with the pass's inputs
     for level in range(levels):
         for j in range(1 if level == 0 else 0, width):
             row = column(level, j) - 1 - nodes

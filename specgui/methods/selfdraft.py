@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgui.costs import time_ms
@@ -165,10 +166,12 @@ class SelfDraft(Drafter):
         sees the pending token (column 0) and its own branch up to itself (block-diagonal, lower-triangular)."""
         lengths = [len(b) for b in self.fed.values()]
         extra = sum(lengths)
-        own = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() for n in lengths])
-        visibility = torch.zeros(extra, 1 + nodes + extra, dtype=torch.bool)
+        visibility = np.zeros((extra, 1 + nodes + extra), dtype=bool)  # host work: numpy, uploaded with the pass
         visibility[:, 0] = True
-        visibility[:, 1 + nodes :] = own
+        start = 0
+        for n in lengths:  # block-diagonal, each branch lower-triangular
+            visibility[start : start + n, 1 + nodes + start : 1 + nodes + start + n] = np.tri(n, dtype=bool)
+            start += n
         tokens = [t for b in self.fed.values() for t in b]
         positions = [committed + 1 + i for n in lengths for i in range(n)]
         return Extras(tokens=tokens, positions=positions, visibility=visibility)

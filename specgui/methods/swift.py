@@ -166,10 +166,10 @@ class Swift(LayerSkipDrafter):
             self.search = searches.get(key) or searches.setdefault(key, SwiftSearch(space, size, p))
         else:
             self.search = SwiftSearch(space, size, p)
-        self.plan = space.plan(self.search.best)
-        state.adopt(self.plan)
         self.widths = parse_widths(p.candidates)
         self.alternatives = max(self.widths) - 1
+        self.plan = space.plan(self.search.best)
+        state.adopt(self.plan, top=self.alternatives + 1)
         self.search_ms = 0.0
         self.width = 1.0  # verified nodes per chain position lately (dynamic verification's siblings)
         return None
@@ -179,19 +179,26 @@ class Swift(LayerSkipDrafter):
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The widest tree dynamic verification can make (every chain position with all its runner-ups), each
-        sibling valid where its position's confidence allows that many (`OnDevice`): the verify carries them all."""
-        k, spare = chain.alternatives.shape
-        steps = torch.tensor(CONFIDENCE_STEPS, device=chain.confidences.device)
-        widths = torch.tensor(self.widths, device=chain.confidences.device)
-        width = widths[(chain.confidences[:, None] <= steps).sum(-1)]  # [k]
-        rank = torch.arange(spare, device=width.device)
-        tokens = torch.cat([chain.tokens[:, None], chain.alternatives], 1).view(-1)
-        valid = torch.cat([chain.valid[:, None], chain.valid[:, None] & (rank[None] < width[:, None] - 1)], 1)
-        confidences = torch.cat([chain.confidences[:, None], chain.alternative_probs], 1).view(-1)
+        sibling standing where its position's confidence allows that many (`OnDevice`, decided on the host once
+        read): the verify carries them all."""
+        k, spare = len(chain.top), self.alternatives
         spine = [i * (spare + 1) for i in range(k)]
         parents = [spine[i - 1] if i else -1 for i in range(k) for _ in range(spare + 1)]
+
+        def decide(values: list[float]) -> tuple[list[int], list[bool], list[float]]:
+            rows = chain.rows(values)
+            standing = chain.standing([probs[0] for _, probs in rows])
+            tokens, valid, confidences = [], [], []
+            for (ids, probs), stands in zip(rows, standing):
+                width = self.widths[sum(probs[0] <= step for step in CONFIDENCE_STEPS)]
+                tokens += ids[: spare + 1]
+                valid += [stands and j < width for j in range(spare + 1)]
+                confidences += probs[: spare + 1]
+            return tokens, valid, confidences
+
         self.width = 0.8 * self.width + 0.2 * (spare + 1)
-        return Draft(parents=parents, on_device=OnDevice(tokens, valid.view(-1), confidences, spine))
+        return Draft(parents=parents, on_device=OnDevice(chain.top.ids[:, : spare + 1].reshape(-1), chain.top.packed,
+                                                         decide, spine))
 
     def make_exit(self) -> ExitThreshold:
         return ExitThreshold(self.params.exit_threshold)
@@ -238,7 +245,7 @@ class Swift(LayerSkipDrafter):
             score = right / total
             kept = search.record(x, score)
             self.plan = search.space.plan(search.best)
-            state.adopt(self.plan)
+            state.adopt(self.plan, top=self.alternatives + 1)
             self.search_ms = (time.perf_counter() - start) * 1000
             payload.update(search_ms=self.search_ms, proposal=search.space.plan(x).to_dict())
             payload["search"] = {"phase": "optimizing" if search.active else "done", "iteration": search.iteration,
