@@ -27,7 +27,6 @@ from specgui.costs import CostProfile
 from specgui.draft import Draft, Outcome
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
-from specgui.kvcache import to_device
 from specgui.loading import LoadedModel
 from specgui.methods.base import DecodeState
 from specgui.runner import VERIFY_TOP, Top
@@ -244,11 +243,12 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor | To
     rows: torch.Tensor | slice = slice(None) if want else slice(0, n)
     if want and extras.logit_rows is not None:
         rows = torch.from_numpy(np.concatenate([np.arange(n), n + np.asarray(extras.logit_rows, dtype=np.int64)]))
-    ids: torch.Tensor | np.ndarray = np.asarray(tokens, dtype=np.int64)  # host values stay numpy: no tensor to read
-    if draft.on_device is not None:  # the nodes stay on the device, after the pending token, before any extras
-        device = draft.on_device.tokens.device
-        host = torch.from_numpy(ids)
-        ids = torch.cat([to_device(host[:1], device), draft.on_device.tokens, to_device(host[1:], device)])
+    ids = np.asarray(tokens, dtype=np.int64)  # host values stay numpy: they ride in the pass's one upload
+    on_device = draft.on_device
+    if on_device is not None:  # the nodes stay on the device, after the pending token, before any extras
+        ids = np.concatenate([ids[:1], np.full(on_device.nodes, -1), ids[1:]])  # -1: the id already in place
+        if on_device.tokens is not None:
+            state.cache.place(1, on_device.tokens)
     logits = state.runner.forward(
         ids, np.asarray(positions, dtype=np.int64), state.cache, visibility=visibility, logits_rows=rows,
         observer=draft.observer, pre_layer=extras.pre_layer if extras else None,

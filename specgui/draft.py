@@ -52,7 +52,9 @@ class OnDevice:
     drafter reading every token would have made. `spine` lists the nodes of the drafted chain (the others are its
     siblings)."""
 
-    tokens: torch.Tensor  # [N] ids (any dtype that holds them exactly), the verify forward's input for the nodes
+    nodes: int
+    tokens: torch.Tensor | None  # [N] ids (any dtype that holds them exactly) for the verify forward to place; None:
+    # already where it reads them (a chained draft put them there: `StaticKVCache.chain`)
     values: torch.Tensor  # float32, read with the verdict
     decide: Callable[[list[float]], tuple[list[int], list[bool], list[float]]]  # read values -> tokens, valid, probs
     spine: list[int]
@@ -95,7 +97,7 @@ class Draft:
     spine: list[int] | None = None  # after `settle`: the kept nodes of the drafted chain
 
     def __post_init__(self) -> None:
-        n = len(self.tokens) if self.on_device is None else len(self.on_device.tokens)
+        n = len(self.tokens) if self.on_device is None else self.on_device.nodes
         if self.parents is None:
             self.parents = list(range(-1, n - 1))
         if len(self.parents) != n or any(not -1 <= p < i for i, p in enumerate(self.parents)):

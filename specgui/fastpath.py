@@ -136,26 +136,27 @@ def compiles_for(runner: Runner) -> bool:
 
 
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
-            buckets: Sequence[int] = BUCKETS, top: int = VERIFY_TOP) -> None:
+            buckets: Sequence[int] = BUCKETS, nodes: int = 1) -> None:
     """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, the
     same ending in a verify's head (`Runner.forward(top=)`), its recording variant and, at one row, each sub-layer
     of every layer (what the cost model times: no pass runs a sub-layer alone at more rows but a forward past the
     buckets, and a capture costs a device synchronisation and an emptied allocator cache, so the 60 a bucket would
     be most of a cache's captures); given `pieces`, those stretches of layers, one program each (`Drafter.pieces`);
-    given `plans`, those skip plans' forwards, plain, ending in a head of `top` ids and chained (a draft's: `chain`).
-    At `buckets`.
+    given `plans`, those skip plans' forwards, plain, ending in a draft's head and chained with `nodes` ids a
+    position (`chain`). At `buckets`.
     Captures run on inputs that touch only the scratch region, so the cache's contents stay as they are. Programs
     made before are skipped: a second call is free."""
     runner = cache.runner
 
     def wanted(inputs: BucketInputs) -> list[Program]:
         if plans:
-            chained = [cache.chained_program(inputs, plan, top)[0] for plan in plans if inputs.rows == 1]
+            chained = [cache.chained_program(inputs, plan, nodes)[0] for plan in plans if inputs.rows == 1]
+            top = max(VERIFY_TOP, nodes)
             return [cache.forward_program(inputs, plan, top=k) for plan in plans for k in (0, top)] + chained
         if pieces is not None:
             return [cache.forward_program(inputs, layers=layers, modules=modules) for modules, layers in pieces]
         return ([cache.forward_program(inputs, record=record) for record in (False, True)]
-                + [cache.forward_program(inputs, top=top), cache.keeper(inputs.rows)]
+                + [cache.forward_program(inputs, top=VERIFY_TOP), cache.keeper(inputs.rows)]
                 + [cache.program(runner.layers[layer], layer, kind, inputs)
                    for layer in range(runner.num_layers) for kind in (ATTN, MLP) if inputs.rows == 1])
 
@@ -176,12 +177,12 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
         cache.graph_bytes = torch.cuda.memory_allocated(runner.device) - cache.base_bytes
 
 
-def adopt(cache: Cache, plan: SkipPlan, top: int = VERIFY_TOP) -> None:
-    """Make a skip plan's draft forward (one row; plain, and ending in a head of `top` ids) ready before it is used,
-    where `cache` is the fast path's: a method calls it when it adopts a plan, so that the capture falls outside the
-    steps it drafts in."""
+def adopt(cache: Cache, plan: SkipPlan, nodes: int = 1) -> None:
+    """Make a skip plan's draft forwards (one row; plain, ending in a head, and chained with `nodes` ids a position:
+    `StaticKVCache.chain`) ready before they are used, where `cache` is the fast path's: a method calls it when it
+    adopts a plan, so that the capture falls outside the steps it drafts in."""
     if isinstance(cache, StaticKVCache) and plan:
-        warm_up(cache, plans=[plan], buckets=(1,), top=top)
+        warm_up(cache, plans=[plan], buckets=(1,), nodes=nodes)
 
 
 def stats(runner: Runner) -> dict[str, Any]:
@@ -249,6 +250,9 @@ class StaticKVCache(KVCache):
         self.programs: dict[tuple[Any, ...], Program] = {}
         self.plans: collections.OrderedDict[SkipPlan, None] = collections.OrderedDict()  # most recently used last
         self.rings: dict[int, torch.Tensor] = {}  # per head width: a draft chain's Tops, row by row (`chain`)
+        # the token ids every whole-model forward program reads (a bucket's first rows): written by the pass's upload
+        # (`BucketInputs.load`) or on the device by a chained draft (`chain`), where the next forward finds them
+        self.tokens = torch.zeros(1, BUCKETS[-1], dtype=torch.long, device=device)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.side = torch.cuda.Stream(device) if self.graphs else None  # every capture's warm-up runs here
         self.capture_s = 0.0
@@ -339,54 +343,67 @@ class StaticKVCache(KVCache):
                     return top_of(runner.logits(h), top).packed
                 return torch.stack(states) if record else h
 
-            shape = (1, inputs.rows) if embeds else (1, inputs.rows, runner.config.hidden_size)
-            example = torch.zeros(shape, dtype=torch.long if embeds else runner.dtype, device=runner.device)
+            hidden = (1, inputs.rows, runner.config.hidden_size)
+            example = (self.tokens[:, : inputs.rows] if embeds
+                       else torch.zeros(hidden, dtype=runner.dtype, device=runner.device))
             capturable = all(getattr(blocks[layer], "capturable", True) for layer in layers)
-            self.programs[key] = Program(run, example, self, capturable)
+            self.programs[key] = Program(run, example, self, capturable, shared=embeds)
         return self.programs[key]
 
 
-    def chain(self, skip: SkipPlan, pending: int, start: int, limit: int, top: int) -> torch.Tensor:
+    def chain(self, skip: SkipPlan, pending: int, start: int, limit: int, nodes: int = 1) -> torch.Tensor:
         """A layer-skip draft of `limit` tokens from `pending`, the host out of the loop: one load of the one-row
         inputs, then `limit` replays of the plan's chained program, each of which feeds its choice to the next and
         moves the inputs on by a row itself (`BucketInputs.advance`), so that a draft token costs the device one
-        replay and the host nothing to read. `start` is the committed length (the pending token's position). Returns
-        the draft's `Top`s [limit, 3 top + 1], packed (valid until the program runs again). The draft's keys stay
-        past `start`; the caller crops them."""
+        replay and the host nothing. Each position's `nodes` likeliest ids (its token, then runners-up) go straight
+        to the token buffer's rows the verify forward reads them at: row 1 + i * nodes on (`place`). `start` is the
+        committed length (the pending token's position). Returns the draft's `Top`s [limit, 3 k + 1], k = max(2,
+        nodes), packed (valid until the program runs again). The draft's keys stay past `start`; the caller crops
+        them."""
         inputs = self.inputs_for(1)
-        program, ring = self.chained_program(inputs, skip, top)
+        program, ring = self.chained_program(inputs, skip, nodes)
         for i in range(limit):
             step = self.runner.new_pass(np.array([start + i]), self)  # each replay is a forward pass of its own
             if i == 0:
-                step._load()
-                upload(program.input, np.array([[pending]]))
+                step._load(np.array([pending]))
             step.call(program)
         inputs.owner = None  # moved on past what any pass loaded
         return ring[:limit]
 
-    def chained_program(self, inputs: BucketInputs, skip: SkipPlan, top: int) -> tuple[Program, torch.Tensor]:
+    def chained_program(self, inputs: BucketInputs, skip: SkipPlan, nodes: int) -> tuple[Program, torch.Tensor]:
         """The one-row program of a draft chain with `skip`'s sub-layers left out (made when a method adopts the plan,
-        `adopt`): the whole forward ending in the head's `Top` of `top` ids, which it also keeps in its row of the
-        chain's buffer (its position less the chain's origin) while its top-1 id becomes its own next input."""
-        key = _key(None, CHAINED, 1, skip, top)
+        `adopt`): the whole forward ending in the head's `Top`, which it keeps in its row of the chain's buffer (its
+        position less the chain's origin), its top-1 id becoming its own next input and its `nodes` likeliest ids
+        the verify's tokens at that row's place."""
+        top = max(VERIFY_TOP, nodes)
+        key = _key(None, CHAINED, 1, skip, nodes)
         ring = self.rings.get(top)
         if ring is None:  # outside the graphs' pool, made before any capture that writes it
             ring = self.rings[top] = torch.zeros(CHAIN, 3 * top + 1, device=self.runner.device)
         if key not in self.programs:
             forward = self.forward_program(inputs, skip, top=top)
+            device = self.runner.device
             attended = torch.tensor([layer for layer in range(self.runner.num_layers) if not skip.skips(layer, ATTN)],
-                                    dtype=torch.long, device=self.runner.device)
+                                    dtype=torch.long, device=device)
+            spread = torch.arange(nodes, device=device)
 
             def run(x: torch.Tensor) -> torch.Tensor:
                 packed = forward.fn(x)
-                ring.index_copy_(0, inputs.positions[0, :1] - inputs.origin, packed)
+                row = inputs.positions[0, :1] - inputs.origin
+                ring.index_copy_(0, row, packed)
+                self.tokens[0].index_copy_(0, 1 + row * nodes + spread, packed[0, :nodes].long())
                 x.copy_(packed[:, :1].long())
                 inputs.advance(attended)
                 return packed
 
             capturable = all(getattr(layer, "capturable", True) for layer in self.runner.layers)
-            self.programs[key] = Program(run, forward.input, self, capturable, read=False)
+            self.programs[key] = Program(run, forward.input, self, capturable, read=False, shared=True)
         return self.programs[key], ring
+
+    def place(self, row: int, ids: torch.Tensor) -> None:
+        """Device-held token ids into the token buffer from `row` on, where the next whole-model forward reads them
+        (its upload names their rows as kept: `BucketInputs.load`)."""
+        self.tokens[0, row : row + ids.numel()].copy_(ids.reshape(-1))
 
     def keep(self, start: int, offsets: list[int]) -> None:
         """`KVCache.keep` as one program (`keeper`): a tree's accepted keys move into place in every layer by one
@@ -498,7 +515,7 @@ class BucketInputs:
                    torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device),
                    torch.zeros(1, dtype=torch.long, device=device))
         if bucket(rows) == rows:  # a bucket's inputs live on; a larger forward's are made for its one pass
-            upload = torch.zeros(rows + 2 * runner.num_layers + rows * rows, dtype=torch.long, device=device)
+            upload = torch.zeros(rows + 2 * runner.num_layers + rows * rows + rows, dtype=torch.long, device=device)
             made.builder = Program(made._build, upload, store, True, read=False)
         return made
 
@@ -512,22 +529,28 @@ class BucketInputs:
         live = self.live[layer_idx]
         return k.masked_fill(~live, 0), v.masked_fill(~live, 0)
 
-    def load(self, owner: object, positions: np.ndarray, layouts: list[Layout], visible: np.ndarray) -> None:
+    def load(self, owner: object, positions: np.ndarray, layouts: list[Layout], visible: np.ndarray,
+             tokens: np.ndarray | None = None) -> None:
         """Fill these inputs for a forward at `positions` [T] with `visible` [T, T] (bool; both on the host, numpy),
         unless `owner`'s are here: one upload of [positions, prefixes, offsets, visible block] packed on the host,
         then one program (`builder`, a CUDA graph on a GPU) builds the rotary tables, masks and write indices from
-        it, so that a pass's inputs cost the device one copy and one replay, not a launch per operation."""
+        it, so that a pass's inputs cost the device one copy and one replay, not a launch per operation. `tokens` [T]
+        (a whole-model forward's ids) ride in the same upload into the cache's token buffer; a negative id, or none,
+        keeps the id the buffer holds at that row (placed on the device: `StaticKVCache.chain`, `place`)."""
         if self.owner is owner:
             return
         t, rows, n = positions.shape[0], self.rows, len(layouts)
-        packed = np.empty(rows + 2 * n + rows * rows, dtype=np.int64)
+        packed = np.empty(rows + 2 * n + rows * rows + rows, dtype=np.int64)
         packed[:t] = positions
         packed[t:rows] = positions[-1]  # any real position: padded rows are never read
         packed[rows : rows + n] = [x.prefix for x in layouts]
         packed[rows + n : rows + 2 * n] = [x.offset for x in layouts]
         block = np.eye(rows, dtype=np.int64)  # a padded row sees only itself
         block[:t, :t] = visible
-        packed[rows + 2 * n :] = block.reshape(-1)
+        packed[rows + 2 * n : -rows] = block.reshape(-1)
+        packed[-rows:] = -1
+        if tokens is not None:
+            packed[-rows:][:t] = tokens
         builder = self.builder
         if builder is None:  # beyond the buckets: built as it comes, for this one pass
             self._build(to_device(torch.from_numpy(packed), self.positions.device))
@@ -544,11 +567,15 @@ class BucketInputs:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         prefix, offset = data[rows : rows + n, None], data[rows + n : rows + 2 * n, None]
-        self.mask.copy_(masks(prefix, offset, data[rows + 2 * n :].view(rows, rows).bool(), self.store.columns)
+        self.mask.copy_(masks(prefix, offset, data[rows + 2 * n : -rows].view(rows, rows).bool(), self.store.columns)
                         .unsqueeze(1).unsqueeze(1))
         self.live.copy_(self.mask.any(3).unsqueeze(-1))
         self.index.copy_(offset + torch.arange(rows, device=data.device))
         self.origin.copy_(data[:1])
+        if rows <= self.store.tokens.shape[1]:  # beyond: a forward of hidden states, no ids
+            held = self.store.tokens[0, :rows]
+            ids = data[-rows:]
+            held.copy_(torch.where(ids >= 0, ids, held))
         return self.positions
 
     def advance(self, attended: torch.Tensor) -> None:
@@ -597,11 +624,11 @@ class Program:
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, store: StaticKVCache,
-                 capturable: bool, read: bool = True) -> None:
+                 capturable: bool, read: bool = True, shared: bool = False) -> None:
         self.fn = fn
         self.read = read  # whether callers read its output (a bucket's inputs builder writes its inputs instead)
         self.store = store
-        self.input = torch.zeros_like(example)
+        self.input = example if shared else torch.zeros_like(example)  # shared: a view of the cache's token buffer
         self.output: torch.Tensor | None = None
         self.graphs = store.graphs and capturable
         self.graph: Any = None
@@ -672,8 +699,8 @@ class StaticPass(Pass):
         self.bucketed = bucket(t) is not None
         self.inputs = self.store.inputs_for(bucket(t) or t)
 
-    def _load(self) -> None:
-        self.inputs.load(self, self.host_positions, self.layouts, self.visible)
+    def _load(self, tokens: np.ndarray | None = None) -> None:
+        self.inputs.load(self, self.host_positions, self.layouts, self.visible, tokens)
 
     def call(self, program: Program) -> torch.Tensor:
         """Run one of this pass's programs (every program call goes through here: `dispatch` counts them per pass)."""
@@ -687,11 +714,13 @@ class StaticPass(Pass):
         reused)."""
         if not self.bucketed:
             return None
-        self._load()
+        if isinstance(tokens, np.ndarray):  # host ids ride in the upload (a negative one keeps what was placed)
+            self._load(tokens.reshape(-1))
+        else:  # a tensor's ids, copied into place as they are
+            self.store.place(0, tokens)
+            self._load()
         t = self.length
         program = self.store.forward_program(self.inputs, skip, record=observer is not None, top=top)
-        upload(program.input[0, :t], tokens.reshape(-1) if isinstance(tokens, np.ndarray) or tokens.device.type != "cpu"
-               else _host(tokens).reshape(-1))
         out = self.call(program)
         self._wrote(range(self.runner.num_layers), skip)
         if top:

@@ -517,7 +517,8 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
     (`specgui.dispatch`), counted on whatever device runs, since they are properties of the path. On a GPU a pass
     of one program and a step of one read is what makes a verify of several tokens cost about one token. Methods
     that size their drafts run the paper's fixed schedule here: a method the cost model paused on this device
-    would count plain steps only, not the drafting path the figures are about."""
+    would count plain steps only, not the drafting path the figures are about; and drafts score the whole vocabulary,
+    as on a GPU (a draft vocabulary is a CPU preset, whose head runs outside the programs)."""
     from specgui import compiled, dispatch, methods
 
     opts = ctx.opts
@@ -527,8 +528,9 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
     rows, found, targets = [], {}, []
     for method in opts.methods:
         fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
+        gpu_like = {"policy": "fixed", "draft_vocab": 0}  # as drafts run on a GPU (a draft vocabulary is a CPU preset)
         run = functools.partial(decode.run, lm, method=method, fast_path="on",
-                                params={"policy": "fixed"} if "policy" in fields else None)
+                                params={k: v for k, v in gpu_like.items() if k in fields} or None)
         run(prompts[0], max_new_tokens=8)  # warm-up: programs made, setup done
         with dispatch.counting() as counts:
             for ids in prompts:

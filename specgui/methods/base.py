@@ -30,7 +30,7 @@ from specgui.draft import Draft, Outcome, Rider
 from specgui.kvcache import KVCache
 from specgui.methods.policy import PRIOR_ALPHA, DraftPolicy
 from specgui.params import NoParams
-from specgui.runner import VERIFY_TOP, Observer, Runner, SkipPlan
+from specgui.runner import Observer, Runner, SkipPlan
 from specgui.sampling import Sampling
 
 REGISTRY: dict[str, type[Drafter]] = {}
@@ -70,11 +70,11 @@ class DecodeState:
         self.riders.append(rider)
         return rider
 
-    def adopt(self, plan: SkipPlan, top: int = VERIFY_TOP) -> None:
-        """A method takes `plan` as its draft model, its drafts' heads keeping `top` ids a row (`Runner.forward`): on
-        the fast path its programs are made now (`fastpath.adopt`)."""
+    def adopt(self, plan: SkipPlan, nodes: int = 1) -> None:
+        """A method takes `plan` as its draft model, each draft position carrying `nodes` ids into the verify (its
+        token, then runners-up): on the fast path its programs are made now (`fastpath.adopt`)."""
         if self.static:
-            fastpath.adopt(self.cache, plan, max(VERIFY_TOP, top))
+            fastpath.adopt(self.cache, plan, nodes)
 
     @property
     def committed(self) -> int:

@@ -57,6 +57,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgui import fastpath
@@ -144,8 +145,8 @@ class Splice:
         self.committed = committed
         self.exact = exact
         end = anchor_position + 1 + plan.window
-        self.slot_positions = torch.arange(anchor_position + 1, end)
-        self.all_positions = torch.arange(committed, end)
+        self.slot_positions = np.arange(anchor_position + 1, end)  # host values in numpy: uploaded as they are
+        self.all_positions = np.arange(committed, end)
         self.guesses: list[torch.Tensor] = []
         self.lower: tuple[int, torch.Tensor] | None = None  # the latest lower pass on a CPU: (its layers, output)
         # `_kept` compares guesses on the host: on the eager CPU path only, where a read stalls nothing
@@ -459,8 +460,8 @@ class Fractal(Drafter):
         held = self._held(state, [])
         splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c, state=state, vocab=self.vocab,
                         held=held)
-        tokens = torch.tensor([state.pending, *held])
-        logits = self.runner.forward(tokens, torch.arange(c, c + 1 + w), state.cache, pre_layer=splice)
+        tokens = np.array([state.pending, *held])
+        logits = self.runner.forward(tokens, np.arange(c, c + 1 + w), state.cache, pre_layer=splice)
         state.cache.crop(c)
         self.splices.append(splice)
         del state.riders[riders:]  # read here, with the forward's own verdict: the draft is needed now
@@ -479,8 +480,8 @@ class Fractal(Drafter):
         self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n, state=state,
                                vocab=self.vocab, held=held)
         self.splices.append(self.carrying)
-        visibility = torch.ones(w, 1 + n + w, dtype=torch.bool)
-        visibility[:, 1 + n :] = torch.ones(w, w, dtype=torch.bool).tril()
+        visibility = np.ones((w, 1 + n + w), dtype=bool)
+        visibility[:, 1 + n :] = np.tri(w, dtype=bool)
         return Extras(tokens=held, positions=list(range(c + n + 1, c + n + 1 + w)), visibility=visibility,
                       pre_layer=self.carrying)
 

@@ -59,6 +59,7 @@ class UnreadChain:
 
     top: Top
     threshold: float
+    placed: bool  # whether the nodes' ids already sit where the verify reads them (`StaticKVCache.chain`)
 
     def rows(self, values: list[float]) -> list[tuple[list[int], list[float]]]:
         """The read `values` of `top.packed`, per chain position: (ids, their draft probabilities)."""
@@ -90,8 +91,9 @@ def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: floa
     program replayed (`StaticKVCache.chain`: nothing on the host between tokens); a draft vocabulary's head runs
     after each pass's program."""
     start, top = state.committed, max(2, alternatives + 1)
-    if vocab is None and isinstance(state.cache, fastpath.StaticKVCache):
-        packed = state.cache.chain(plan, state.pending, start, limit, top)
+    placed = vocab is None and isinstance(state.cache, fastpath.StaticKVCache)
+    if placed:
+        packed = state.cache.chain(plan, state.pending, start, limit, nodes=alternatives + 1)
     else:
         token: torch.Tensor | np.ndarray = np.array([state.pending])
         parts = []
@@ -101,7 +103,7 @@ def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: floa
             token = got.ids[:, 0].long()
         packed = torch.cat(parts)
     state.cache.crop(start)
-    return UnreadChain(Top(packed, top), threshold)
+    return UnreadChain(Top(packed, top), threshold, placed)
 
 
 def draft_sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
@@ -273,8 +275,9 @@ class LayerSkipDrafter(Drafter):
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The fixed-shape draft an `UnreadChain` verifies as (`proposal`'s counterpart): the chain itself here."""
-        return Draft(on_device=OnDevice(chain.top.ids[:, 0], chain.top.packed, chain.decide,
-                                        list(range(len(chain.top)))))
+        k = len(chain.top)
+        ids = None if chain.placed else chain.top.ids[:, 0]
+        return Draft(on_device=OnDevice(k, ids, chain.top.packed, chain.decide, list(range(k))))
 
     def settled_chain(self, draft: Draft) -> Chain:
         """The `Chain` a read-as-you-go draft would have made, from an unread draft the step's read settled."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specgui.kvcache import KVCache, to_device
@@ -135,8 +136,8 @@ class _RowPasses:
     def run(self, batch: torch.Tensor, unit: Unit) -> torch.Tensor:
         """One pass of the unit's sub-layers over the batch (on the fast path, one program)."""
         n = batch.shape[0]
-        positions = torch.full((n,), self.position, dtype=torch.long)
-        step = self.runner.new_pass(positions, self.view, torch.eye(n, dtype=torch.bool))
+        positions = np.full(n, self.position, dtype=np.int64)  # host values in numpy: the pass uploads them as they are
+        step = self.runner.new_pass(positions, self.view, np.eye(n, dtype=bool))
         layer = unit[0][0]
         kinds = {kind for _, kind in unit}
         skip = SkipPlan(attn=frozenset() if ATTN in kinds else frozenset({layer}),

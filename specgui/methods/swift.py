@@ -169,7 +169,7 @@ class Swift(LayerSkipDrafter):
         self.widths = parse_widths(p.candidates)
         self.alternatives = max(self.widths) - 1
         self.plan = space.plan(self.search.best)
-        state.adopt(self.plan, top=self.alternatives + 1)
+        state.adopt(self.plan, nodes=self.alternatives + 1)
         self.search_ms = 0.0
         self.width = 1.0  # verified nodes per chain position lately (dynamic verification's siblings)
         return None
@@ -197,8 +197,8 @@ class Swift(LayerSkipDrafter):
             return tokens, valid, confidences
 
         self.width = 0.8 * self.width + 0.2 * (spare + 1)
-        return Draft(parents=parents, on_device=OnDevice(chain.top.ids[:, : spare + 1].reshape(-1), chain.top.packed,
-                                                         decide, spine))
+        ids = None if chain.placed else chain.top.ids[:, : spare + 1]
+        return Draft(parents=parents, on_device=OnDevice(len(parents), ids, chain.top.packed, decide, spine))
 
     def make_exit(self) -> ExitThreshold:
         return ExitThreshold(self.params.exit_threshold)
@@ -245,7 +245,7 @@ class Swift(LayerSkipDrafter):
             score = right / total
             kept = search.record(x, score)
             self.plan = search.space.plan(search.best)
-            state.adopt(self.plan, top=self.alternatives + 1)
+            state.adopt(self.plan, nodes=self.alternatives + 1)
             self.search_ms = (time.perf_counter() - start) * 1000
             payload.update(search_ms=self.search_ms, proposal=search.space.plan(x).to_dict())
             payload["search"] = {"phase": "optimizing" if search.active else "done", "iteration": search.iteration,
