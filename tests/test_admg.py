@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import decode
+from specgui import costs, decode, dispatch, fastpath
 from specgui.kvcache import KVCache
 from specgui.methods.admg import AcsMeter, admg_plan
 from specgui.methods.skipdp import HiddenRecorder
@@ -53,3 +53,39 @@ def test_always_drafting_is_lossless(tiny_lm):
     assert_greedy_identical(tiny_lm, "admg", [[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 6, 5]], 30, params=params)
     sampling_lm = tiny_model(vocab=12, layers=3, hidden=32, init=0.5, seed=1)
     assert_sampling_lossless(sampling_lm, "admg", [5, 3, 8, 1, 0, 11, 7, 2, 9, 4, 6, 10], runs=1500, params=params)
+
+
+def test_the_skip_sets_program_is_made_only_when_a_step_drafts_with_it():
+    """ADMG's set is new with every prompt. Adopted at the prompt, its draft program was made in the run's timed prefill
+    (a capture on a GPU) even where the policy then paused all run long; now a paused run makes none and counts plain
+    decoding's programs, operations and reads but for the prompt's similarities, and a drafting run makes it once."""
+    lm = tiny_model(init=0.3)
+    layers, ms = lm.runner.num_layers, 10.0
+
+    def priced(forward: list[float]) -> costs.CostProfile:  # sub-layers: half a forward each kind
+        return costs.CostProfile(key=costs.profile_key(lm, True), sizes=[1, 64], contexts=[128], forward=[forward],
+                                 step=ms, attn=[ms / (2 * layers)] * layers, mlp=[ms / (2 * layers)] * layers,
+                                 head=ms / 10)
+
+    steep, flat = priced([ms, 64 * ms]), priced([ms, ms])  # a verify of two rows: twice a step, or one
+    ids, params = [1, 5, 9, 3, 7, 2, 11, 4, 1, 5, 9, 3, 7, 2], {"alpha": 0.0, "keep_last": 0, "exit_threshold": 0.0}
+    list(decode.generate(lm, ids, "baseline", max_new_tokens=4, fast_path="on", profile=steep))  # programs made
+
+    def counted(method: str, profile: costs.CostProfile) -> tuple[decode.Result, int, tuple[int, int, int]]:
+        """The run, the programs it made, and its passes' programs, device operations and reads."""
+        made = fastpath.stats(lm.runner)["programs"]
+        with dispatch.counting() as counts:
+            result = decode.run(lm, ids, method, max_new_tokens=16, fast_path="on", profile=profile,
+                                params=params if method == "admg" else None)
+        return result, fastpath.stats(lm.runner)["programs"] - made, (
+            sum(counts.programs), sum(counts.eager.values()), sum(counts.reads.values()))
+
+    plain, _, plain_counts = counted("baseline", steep)
+    paused, made, paused_counts = counted("admg", steep)
+    assert not any(s.drafted for s in paused.steps) and made == 0
+    assert paused_counts[0] == plain_counts[0] and paused_counts[2] == plain_counts[2]
+    acs_ops = paused_counts[1] - plain_counts[1]  # the prompt's similarities: a few operations per attention
+    assert 0 < acs_ops <= 8 * layers
+    drafting, made, _ = counted("admg", flat)
+    assert sum(s.drafted for s in drafting.steps) > 2 and made == 1
+    assert drafting.token_ids == paused.token_ids == plain.token_ids

@@ -272,6 +272,42 @@ def test_calibration_keeps_a_methods_own_work_apart_and_clips_a_stall():
     assert 1.0 < cal.verify_ratio(2) <= 2.0
 
 
+def test_host_work_priced_near_nothing_is_learnt_in_ms_and_kept_out_of_the_verify_prices():
+    """Self-Draft on an H200: its retrieval priced 0.007 ms, its drafting phase measured 1.6 ms a step, its verify as
+    priced. No ratio on 0.007 ms reaches 1.6 ms, and the verify ratio that took the rest priced every method's verify
+    of those rows 1.3x too dear. The calibration learns the 1.6 ms as the method's own, charged to its drafting steps
+    only, and the verify prices stay as measured."""
+    cal, ratio_only = costs.Calibration(), costs.Calibration()
+    for _ in range(60):
+        for c, draft_ms in ((cal, 1.6), (ratio_only, None)):  # None: the drafting phase not measured apart
+            c.learn("selfdraft", 12, measured_ms=5.1 + 1.6, work_ms=0.007, verify_ms=5.1, draft_ms=draft_ms)
+            c.learn("baseline", 1, measured_ms=5.0, work_ms=0.0, verify_ms=5.0, draft_ms=0.0)
+    assert ratio_only.verify_ratio(12) == pytest.approx(6.7 / 5.1, rel=0.03) and ratio_only.host_ms("selfdraft") == 0
+    assert cal.host_ms("selfdraft") == pytest.approx(1.6 - 0.007, rel=0.03)
+    assert cal.verify_ratio(12) == pytest.approx(1.0, abs=0.02) and cal.verify_ratio(1) == pytest.approx(1.0, abs=0.01)
+    assert cal.work_ratio("selfdraft") == 1.0 and cal.host_ms("baseline") == 0.0  # a plain step drafts nothing
+    profile = costs.CostProfile(key={}, sizes=[1, 64], contexts=[128], forward=[[5.0, 5.0]], step=5.1, attn=[1.0],
+                                mlp=[1.0], head=0.5, measured_at=1.0)  # measured: its prices are corrected
+    profile.calibration = cal
+    assert profile.own_ms("selfdraft", 0.007, rows=12) == pytest.approx(1.6, rel=0.03)  # what a drafting step does
+    assert profile.own_ms("selfdraft", 0.007, rows=1) == 0.007  # a step that drafts nothing pays none of it
+    cal.learn("selfdraft", 12, measured_ms=500.0, work_ms=0.007, verify_ms=5.1, draft_ms=495.0)  # a stall
+    assert cal.host_ms("selfdraft") < 1.6 + 5.1 / 10  # counts as at most a verify's price beyond the cost it met
+    assert costs.Calibration.from_dict(cal.to_dict()).host == cal.host  # saved with the rest
+
+
+def test_host_cost_and_work_ratio_learn_from_different_steps_and_settle_together():
+    """A draft whose steps are sometimes light (host work only) and sometimes heavy (draft forwards 1.5x their price,
+    0.5 ms of host work besides): the light steps teach the host cost, the heavy ones the ratio with that cost taken
+    off, and each settles at its own value instead of one absorbing the other."""
+    cal = costs.Calibration()
+    for _ in range(60):
+        cal.learn("dv", 2, measured_ms=5.1 + 0.65, work_ms=0.1, verify_ms=5.1, draft_ms=0.65)  # 0.5 + 0.1 * 1.5
+        cal.learn("dv", 2, measured_ms=5.1 + 3.5, work_ms=2.0, verify_ms=5.1, draft_ms=3.5)  # 0.5 + 2.0 * 1.5
+    assert cal.host_ms("dv") == pytest.approx(0.5, rel=0.04) and cal.work_ratio("dv") == pytest.approx(1.5, rel=0.03)
+    assert cal.verify_ratio(2) == pytest.approx(1.0, abs=0.02)
+
+
 def test_steps_price_what_the_steps_before_them_measured(cache_dir):
     """A profile that prices every forward a quarter of what it costs: the run's later steps are priced by what its
     earlier ones measured, and the profile on disk keeps what was measured, not what the process learnt."""

@@ -3,13 +3,15 @@
 Losslessness with the presets (greedy on tiny and embedded models, sampling) is in test_lossless.py.
 """
 
+import itertools
 import json
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from helpers import assert_greedy_identical, tiny_model
+from helpers import assert_greedy_identical, baseline_run, tiny_model
 from specgui import cli, decode, methods
 from specgui.costs import CostProfile
 from specgui.costs import profile_for as costs_for
@@ -163,3 +165,57 @@ def test_greedy_identical_with_the_searched_set(deep_lm, cache_dir):
 def test_cli_checks_search_settings_before_loading_a_model(capsys):
     assert cli.main(["dv-search", "--param", "iterations=-1"]) == 2
     assert "iterations must be >= 0" in capsys.readouterr().err
+
+
+def gpu_like(lm) -> CostProfile:
+    """A hand-made profile shaped like a GPU's: a verify of any rows costs a plain step, and the sub-layers, each timed
+    as a program of its own, add up past the one-program forward, so a deeply skipped draft token is priced at the LM
+    head alone. A draft of one token then pays at any acceptance above ~3%: so it was on the H200 (bf16) where dv
+    drafted every step with a set that accepted nothing."""
+    layers, ms = lm.runner.num_layers, 10.0
+    return CostProfile(key={"model": "hand-made", "device": "cuda", "dtype": "bfloat16", "fast_path": False},
+                       sizes=[1, 64], contexts=[128], forward=[[ms, ms]], step=ms, attn=[ms / layers] * layers,
+                       mlp=[ms / layers] * layers, head=ms / 100)
+
+
+def cache_set(lm, params: dict, matchness: float) -> None:
+    """A skip set of every sub-layer but the last MLP in dv's disk cache, as a search would have left it, claiming
+    `matchness`: the draft is the embedding read through one MLP and the head, garbage beside the full model."""
+    layers = lm.runner.num_layers
+    found = dv.SkipSetResult(attn=list(range(layers)), mlp=list(range(layers - 1)), objective=1.5,
+                             matchness=matchness, draft_cost=0.02, draft_len=3, iterations=12, seconds=1.0, trace=[1.5])
+    path = dv.cache_path(lm.runner, methods.params_for("dv", lm.name, "cpu", params))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": dv.CACHE_FORMAT, **asdict(found)}))
+
+
+def test_a_skip_set_that_accepts_nothing_pauses_within_a_few_steps(deep_lm, cache_dir):
+    """The search believed its set 90% right (a set found under another profile or dtype may be): the policy's prior
+    says drafting pays, the verdicts say next to nothing is accepted, and the verdicts win within four steps.
+    Drafting then returns only as probes, each after a pause twice the last, and the output is plain decoding's."""
+    params = {**QUICK, "policy": "cost"}
+    cache_set(deep_lm, params, matchness=0.9)
+    profile = gpu_like(deep_lm)
+    result = decode.run(deep_lm, PROMPT, "dv", max_new_tokens=40, profile=profile, params=params)
+    assert result.events[1].payload["search"]["cached"] and result.events[1].payload["search"]["matchness"] == 0.9
+    assert result.summary.accepted <= 1 and result.steps[0].drafted  # it drafted garbage while its prior held
+    modes = [s.payload["plan"]["mode"] for s in result.steps]
+    assert "draft" not in modes[4:], modes  # from the fifth step on, paused but for probes
+    probes = [i for i, mode in enumerate(modes) if mode == "probe"]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert probes and gaps == sorted(gaps) and len(probes) <= 5  # ever rarer
+    assert all(s.drafted == (mode == "probe") for s, mode in zip(result.steps[4:], modes[4:]))
+    assert result.token_ids == baseline_run(deep_lm, PROMPT, 40).token_ids
+    assert profile.mechanisms == {}  # priced by the hand-made profile alone
+
+
+def test_a_set_that_cannot_pay_at_its_own_acceptance_is_never_drafted(deep_lm, cache_dir):
+    """The searched set's measured acceptance is the policy's prior: where it could not pay even so under the profile
+    at hand, dv pauses for good from its first step (no probe) and decodes as plain decoding does."""
+    params = {**QUICK, "policy": "cost"}
+    cache_set(deep_lm, params, matchness=0.0)
+    result = decode.run(deep_lm, PROMPT, "dv", max_new_tokens=24, profile=gpu_like(deep_lm), params=params)
+    plans = [s.payload["plan"] for s in result.steps[:-1]]  # the last: the budget's end, nothing left to size
+    assert not any(s.drafted for s in result.steps)
+    assert all(p["mode"] == "paused" and p["prior"] < 1 and p["alpha"] == 0.0 for p in plans)
+    assert result.token_ids == baseline_run(deep_lm, PROMPT, 24).token_ids

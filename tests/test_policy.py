@@ -117,8 +117,25 @@ def test_pauses_double_between_probes_and_drafting_resumes_when_it_pays():
     losing = lambda n: 15.0  # noqa: E731  (at this acceptance no draft pays; a fully accepted one would)
     modes = [policy.choose(losing, 10.0).mode for _ in range(17)]
     assert modes == ["paused", "probe", "paused", "paused", "probe", *["paused"] * 4, "probe", *["paused"] * 7]
-    assert policy.choose(lambda n: 10.0, 10.0).mode == "draft"  # cheap again: drafts at once, pauses reset
+    policy.learn(path=[0, 1], verified=2, exhausted=False)  # a probe accepted everything: a streak follows
+    assert policy.choose(losing, 10.0).mode == "draft"  # its curve says drafting pays: at once, pauses reset
     assert policy.pause == 1
+
+
+def test_a_draft_that_never_lands_pauses_within_five_steps_whatever_the_prior():
+    """A GPU's prices: a verify of two rows costs one, a deeply skipped draft token 1% of a step, so a one-token draft
+    pays above ~3% acceptance. Drafts that accept nothing pause it by the fifth step, however hopeful the prior (at a
+    fixed weight the prior kept E[accepted | 1] at alpha / 11 for good, and that alone predicted a gain)."""
+    gpu = lambda n: 10.0 + 0.1 * n  # noqa: E731
+    for alpha in (0.5, PRIOR_ALPHA, 1.0):
+        policy = DraftPolicy(range(1, 9), alpha=alpha)
+        modes = []
+        for _ in range(20):
+            plan = policy.choose(gpu, plain_ms=10.0)
+            modes.append(plan.mode)
+            policy.learn(path=[], verified=plan.size, exhausted=False)  # nothing accepted
+        assert modes[0] == "draft" and "draft" not in modes[4:], (alpha, modes)
+        assert policy.expected(1) < 0.03
 
 
 def test_no_probes_where_even_the_priors_acceptance_would_lose():

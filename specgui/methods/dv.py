@@ -24,6 +24,10 @@ generations, is deterministic (no timing noise for the GP to chase), and a searc
 on a CPU. The Bayesian step is `bayesopt` (our GP and UCB) maximised over sampled 0/1 vectors and
 one-flip neighbours of the best, instead of `bayes_opt`'s continuous box rounded at 0.5. Calibration
 prompts come from the corpus prompt set (`assets/corpus/prompts.jsonl`), never the benchmark suite.
+
+The set is checked against the cost model at hand before it drafts: its measured acceptance is the cost policy's
+prior (`DraftVerify.sizing`), so a set that cannot pay at it pauses from the first step, and one that accepts less
+than it claimed (searched under another profile or dtype) pauses as soon as its verdicts say so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import hashlib
 import json
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState, register
 from specgui.methods.bayesopt import BayesOpt, candidate_pool
 from specgui.methods.layerskip import AdaptiveExitParams, ExitThreshold, LayerSkipDrafter, adaptive_exit
+from specgui.methods.policy import DraftPolicy
 from specgui.methods.skipsearch import SkipSpace, matchness
 from specgui.params import param
 from specgui.prompts import PromptRow, load_prompts
@@ -321,6 +327,15 @@ class DraftVerify(LayerSkipDrafter):
             return True
         configured = build_params(self.name, DvParams, state.model, self.runner.device.type)
         return all(getattr(self.params, k) == getattr(configured, k) for k in SEARCH_SETTING)
+
+    def sizing(self, state: DecodeState, sizes: Iterable[int]) -> DraftPolicy:
+        """The policy's prior is the searched set's own acceptance (its matchness on the calibration text), not the
+        paper's: so a set that could not pay at what it was measured to accept, priced by the cost model at hand (a
+        set found under another profile, or the search's best that still predicted a loss), pauses for good from the
+        first step instead of drafting on the paper's hope until its verdicts overrule it."""
+        policy = super().sizing(state, sizes)
+        policy.alpha = self.found.matchness
+        return policy
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
