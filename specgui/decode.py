@@ -190,7 +190,7 @@ def generate(
             draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
             started = time.perf_counter()
             # 5. observe (and the cost model learns what the step cost against what it priced)
-            profile.learn(method, rows, draft_ms + verify_ms, draft.cost_ms, priced_verify_ms)
+            profile.learn(method, rows, draft_ms + verify_ms, draft.cost_ms, priced_verify_ms, draft_ms=draft_ms)
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
                               extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}

@@ -108,8 +108,8 @@ class DecodeState:
     def step_ms(self, work_ms: float, rows: int) -> float:
         """What a step costs now that does `work_ms` of the method's own drafting work (as the profile prices it)
         and verifies `rows` tokens: what drafters size their drafts by and the decode loop predicts."""
-        ratio = self.profile.work_ratio(self.method) if self.profile else 1.0
-        return work_ms * ratio + self.verify_ms(rows)
+        own = self.profile.own_ms(self.method, work_ms, rows) if self.profile else work_ms
+        return own + self.verify_ms(rows)
 
     @property
     def max_depth(self) -> int:
