@@ -88,6 +88,7 @@ class Lookahead(Drafter):
         self.levels: list[list[int]] = [[rng.choice(state.tokens) for _ in range(p.window + p.ngram - 3)]]
         self.pool = NgramCache(max_key=1, capacity=max(1, p.guesses))
         self.indexed = 0
+        self.paused = False  # whether the latest priced decision paused drafting (and with it the window)
         self.fed: list[list[int]] | None = None  # the window blocks as fed to the last forward
         self.candidates: list[dict[str, Any]] = []
         self.policy = self.sizing(state, range(1, max(1, p.guesses * (p.ngram - 1)) + 1))
@@ -112,9 +113,14 @@ class Lookahead(Drafter):
                     candidates.append({"nodes": nodes, "source": "pool", "key": list(key)})
                 if len(candidates) == self.params.guesses or trie.full:
                     break
-        self.fed = [[state.pending, *self.levels[0]], *self.levels[1:]] if depth > 0 else None
-        window = sum(len(level) for level in self.fed) - 1 if self.fed else 0
+        fed = [[state.pending, *self.levels[0]], *self.levels[1:]] if depth > 0 else None
+        window = sum(len(level) for level in fed) - 1 if fed else 0
         sizing = self.policy.choose(lambda n: state.verify_ms(1 + window + n), state.plain_ms(), len(trie.tokens))
+        if sizing.mode != "paused" or sizing.prior is not None:  # priced (the pool offered something): it rules
+            self.paused = sizing.mode == "paused"                 # the window too
+        # the window serves only drafting: where the cost model paused the drafts it stays home too, and the step is a
+        # plain one (the levels wait, unchanged, for the next step that drafts or probes)
+        self.fed = None if self.paused else fed
         size = sizing.size  # 0 when the pool offered nothing
         self.drafted, self.exhausted = size, size == len(trie.tokens)  # a larger size would verify the same
         self.candidates = within(candidates, size)
