@@ -11,8 +11,9 @@ development machine (Intel, MKL, fp32) the stock kernel over 2-8 rows was slower
   stock       `x @ W.T` (torch's kernel)
   transposed  `(W @ x.T).T`
   skinny      `specgui/csrc/skinny_linear.c`: each block of weight rows read from memory once and
-              multiplied with every input row in registers (AVX-512 where the CPU has it, else AVX2 + FMA),
-              compiled on first use with the machine's C compiler (none, or no AVX2: the form is not offered).
+              multiplied with every input row in registers (AVX-512 where the CPU has it, else AVX2 + FMA;
+              `SPECGUI_SIMD` picks one: `simd`), compiled on first use with the machine's C compiler (none, or no
+              AVX2: the form is not offered).
               Its rows come out the same whatever other rows share the call, so a verify forward's rows equal
               plain steps' bit for bit.
 
