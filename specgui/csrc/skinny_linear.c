@@ -267,11 +267,15 @@ static const int WIDTH[TILE_ROWS + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
    second, builds alternating): with 8 x 1 or 12 x 1 tiles, then 8 x 1 twice for 16 rows, against groups:
    96 x 1536 weights 3.5 -> 4.1 G at 8 rows, 2.7-2.8 -> 4.1-4.4 at 12, 3.6 -> 4.2-4.4 at 16; 96 x 576 (the
    inputs fit its 48 KB L1 either way) 3.6 -> 3.5-3.8, 4.0 -> 3.8, 3.8 -> 3.7-3.9. Groups of 6 x 2 instead of
-   4 x 3: 0.1-0.4 G slower everywhere; held or folded weight loads, prefetching into L1: no difference. Whole
-   forwards of the embedded model at a 128-token context (same machine, one thread, CPU time, least of 10, the two
-   builds alternating in one process), against one row: 8 rows 1.23x -> 1.25x, 12 rows 1.64x -> 1.59x, 16 rows
-   2.20x -> 2.06x. The same groups for AVX-512 (8 x 3, from 13 rows on) were slower than its passes of tiles:
-   96 x 576 at 16 rows 3.4 -> 2.7 G, so AVX-512 keeps them. */
+   4 x 3: 0.1-0.4 G slower everywhere; held or folded weight loads, prefetching into L1, prefetching from the
+   first group only: no gain. Whole forwards of the embedded model at a 128-token context (same machine, one thread,
+   CPU time, least of 10-12, the two builds alternating in one process), against one row, in two runs: 8 rows
+   1.23x -> 1.25x and 1.19x -> 1.21x, 12 rows 1.64x -> 1.59x and 1.49x -> 1.51x, 16 rows 2.20x -> 2.06x and
+   1.97x -> 1.94x: on this CPU, whose 48 KB L1 holds 8 input rows of 576 floats anyway, within noise; past ~8 rows
+   its forward is bound by the multiply-adds (~4.2 G a second of ~5.8 at peak), which no tile shape removes. The
+   gain is in the wide products, and is expected to be larger on a 32 KB L1 (AMD EPYC), not measured here. The same
+   groups for AVX-512 (8 x 3, from 13 rows on) were slower than its passes of tiles: 96 x 576 at 16 rows
+   3.4 -> 2.7 G, so AVX-512 keeps them. */
 #define GROUP_ROWS 4
 #define GROUPED_ROWS 32 /* the most input rows of a grouped pass (`F32_PASSES`) */
 #define GROUP(T, LOAD, M, R)                                                                             \
