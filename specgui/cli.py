@@ -289,11 +289,14 @@ def cmd_methods(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """Measure (or read) the profile, let every method measure its mechanism on a short run, print it all."""
-    from specgui import costs, decode, fastpath, results, vocab
+    from specgui import costs, decode, fastpath, kernels, results, vocab
     from specgui.text import encode_prompt
 
     results.writable(args.json)
     lm = load_model(args)
+    simd = kernels.simd_label() if lm.runner.device.type == "cpu" else None
+    if simd is not None:
+        print(f"skinny kernels: {simd}" + (" (forced by SPECGUI_SIMD)" if results.simd_forced() else ""))
     fast = fastpath.resolve(args.fast_path, lm.runner)
     profile = costs.profile_for(lm, fast, refresh=args.refresh)
     ids = encode_prompt(lm.tokenizer, "Summarise: the cost model measures what each forward costs.")
@@ -311,7 +314,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
                   f"{row['vocab_ms']:6.2f} ({row['vocab_priced_ms']:6.2f}), {row['change']:+.0%} "
                   f"({row['priced_change']:+.0%})")
     data = {"provenance": results.provenance(str(lm.runner.device), args.argv), "model": lm.name,
-            **profile.curve(), "head": profile.head, "key": profile.key,
+            **profile.curve(), "head": profile.head, "key": profile.key, **({"simd": simd} if simd else {}),
             **({"draft_tokens": {"size": args.draft_vocab, "context": profile.contexts[0], "rows": tokens}}
                if tokens else {})}
     results.write("profile", data, str(lm.runner.device), args.json, args.save)

@@ -64,7 +64,7 @@ import torch
 
 from specgui import __version__, cpu_layers, fastpath
 from specgui.cachedir import cache_root, exclusive
-from specgui.kernels import build, cpu_name, signature
+from specgui.kernels import build, cpu_name, signature, simd
 from specgui.kvcache import KVCache
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
 
@@ -652,7 +652,8 @@ def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:
     return {"model": lm.name, "shape": shape, "device": device, "dtype": str(runner.dtype).removeprefix("torch."),
             "fast_path": fast_path, "compiled": _which(lm, fast_path)[1],
             "matmul": signature(lm.model), "layers": cpu_layers.signature(lm.model),
-            "kernel": build() if runner.device.type == "cpu" else None, "torch": torch.__version__,
+            "kernel": build() if runner.device.type == "cpu" else None,
+            "simd": simd() if runner.device.type == "cpu" else None, "torch": torch.__version__,
             "specgui": __version__, "code": code_digest()}
 
 

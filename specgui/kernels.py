@@ -11,8 +11,9 @@ development machine (Intel, MKL, fp32) the stock kernel over 2-8 rows was slower
   stock       `x @ W.T` (torch's kernel)
   transposed  `(W @ x.T).T`
   skinny      `specgui/csrc/skinny_linear.c`: each block of weight rows read from memory once and
-              multiplied with every input row in registers (AVX-512 where the CPU has it, else AVX2 + FMA),
-              compiled on first use with the machine's C compiler (none, or no AVX2: the form is not offered).
+              multiplied with every input row in registers (AVX-512 where the CPU has it, else AVX2 + FMA;
+              `SPECGUI_SIMD` picks one: `simd`), compiled on first use with the machine's C compiler (none, or no
+              AVX2: the form is not offered).
               Its rows come out the same whatever other rows share the call, so a verify forward's rows equal
               plain steps' bit for bit.
 
@@ -67,6 +68,7 @@ import torch
 from torch import nn
 
 from specgui.cachedir import cache_root, exclusive
+from specgui.errors import SpecGUIError
 
 FORMS = ("stock", "transposed", "skinny")
 DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes the forms are chosen for
@@ -75,7 +77,12 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # row counts timed (the cost
 CHOICE_REPEATS = 7  # timings of each form per row count; the least counts (`choose`)
 STREAM_BYTES = 48 * 2**20  # a timing cycles through enough of a shape's modules to read this much (past the L3)
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.c"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # plus -mavx512f where the CPU has it (`_cflags`)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # and the vector form's own (`SIMD_FLAGS`)
+# The skinny library's vector forms, best first: the flags each adds, the CPU flags it needs, the name printed.
+# AVX-512's 32 registers of 16 floats and AVX2's 16 of 8 take different tiles (the C file) and sum in other orders.
+SIMD_FLAGS = {"avx512": ("-mavx512f",), "avx2": ()}
+SIMD_NEEDS = {"avx512": frozenset({"avx2", "fma", "avx512f"}), "avx2": frozenset({"avx2", "fma"})}
+SIMD_LABELS = {"avx512": "avx512", "avx2": "avx2+fma"}
 LOG = logging.getLogger("specgui.kernels")
 Shape = tuple[int, int, torch.dtype]  # a weight's (out, in) and dtype
 
@@ -248,17 +255,56 @@ def linear_as(module: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @cache
+def simd() -> str | None:
+    """The vector form the skinny library is built for: `SPECGUI_SIMD` ("avx2" or "avx512") where set, else the best
+    this CPU has; None where none runs here (not x86-64, no AVX2 and FMA). Forcing "avx2" on an AVX-512 machine runs
+    what a laptop without AVX-512 runs (its own build, its own summation order), so any machine can measure and test
+    that form. An unknown value, or a form this CPU lacks, is a one-line error."""
+    wanted = os.environ.get("SPECGUI_SIMD", "").strip().lower()
+    if wanted and wanted not in SIMD_FLAGS:
+        raise SpecGUIError(f"SPECGUI_SIMD={wanted!r} is not a vector form: use one of {', '.join(SIMD_FLAGS)}, "
+                           "or leave it unset for the best this CPU has")
+    if wanted and not SIMD_NEEDS[wanted] <= _x86_flags():
+        missing = sorted(SIMD_NEEDS[wanted] - _x86_flags())
+        raise SpecGUIError(f"SPECGUI_SIMD={wanted}: this CPU lacks {', '.join(missing)}")
+    return wanted or best_simd()
+
+
+def best_simd() -> str | None:
+    """The best vector form this CPU runs (what `simd()` is where `SPECGUI_SIMD` is unset), None where none does."""
+    return next((form for form, needs in SIMD_NEEDS.items() if needs <= _x86_flags()), None)
+
+
+def _x86_flags() -> frozenset[str]:
+    return _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else frozenset()
+
+
+def simd_label() -> str:
+    """What the profile prints and saves as the skinny kernels' form: "avx2+fma" or "avx512", or why none runs (the
+    fallback: torch's kernels, and transformers' modules for the decoder layers)."""
+    form = simd()
+    if form is None:
+        return "none (no AVX2 and FMA here: torch's kernels)"
+    if skinny_library() is None:
+        return "none (no C compiler or the build failed: torch's kernels)"
+    return SIMD_LABELS[form]
+
+
+@cache
 def skinny_library() -> ctypes.CDLL | None:
-    """The compiled skinny kernel (built once per source and machine into the cache), or None where it cannot
-    run: not x86-64 with AVX2 and FMA, no C compiler, or a failed build (logged)."""
-    flags = _cpu_flags()
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+    """The compiled skinny kernel for the vector form `simd()` (built once per source and flags into the cache), or
+    None where it cannot run: no form runs here, no C compiler, or a failed build (logged once at first use)."""
+    form = simd()
+    if form is None:
+        LOG.warning("no AVX2 and FMA here: the skinny kernels and the C decoder layers do not run; torch's kernels "
+                    "and transformers' modules do (docs/cpu-kernels.md says what that costs)")
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        LOG.info("no C compiler: the skinny matmul kernel is not offered")
+        LOG.warning("no C compiler: the skinny kernels and the C decoder layers do not run; torch's kernels and "
+                    "transformers' modules do (docs/cpu-kernels.md says what that costs)")
         return None
-    target = cache_root() / "kernels" / f"skinny_linear-{_source_digest()}.so"
+    target = cache_root() / "kernels" / f"skinny_linear-{form}-{_source_digest()}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.tmp")
@@ -284,15 +330,21 @@ def skinny_library() -> ctypes.CDLL | None:
     return library
 
 
+def reset() -> None:
+    """Forget the vector form and its library, so that the next call reads `SPECGUI_SIMD` again (tests run both)."""
+    for cached in (simd, skinny_library, _source_digest):
+        cached.cache_clear()
+
+
 @cache
 def _source_digest() -> str:
     return hashlib.sha1(SOURCE.read_bytes() + " ".join(_cflags()).encode()).hexdigest()[:12]
 
 
 def _cflags() -> tuple[str, ...]:
-    """The build flags: AVX-512's 32 registers let 8 rows share each weight vector with 3 weight rows (AVX2's 16:
-    one), so the kernel is built for it where the CPU has it."""
-    return CFLAGS + (("-mavx512f",) if "avx512f" in _cpu_flags() else ())
+    """The build flags of the form `simd()`: the digest of a library (its file name, a cost profile's key) covers
+    them, so the AVX2 and AVX-512 builds never share a library or a price."""
+    return CFLAGS + SIMD_FLAGS[simd() or "avx2"]
 
 
 @cache
@@ -324,7 +376,7 @@ def _least_s(passes: dict[str, list[tuple]], repeats: int) -> dict[str, float]:
 
 
 def _choice_path(cache_dir: Path) -> Path:
-    key = (f"{cpu_name()} x{torch.get_num_threads()} torch {torch.__version__} {_source_digest()}"
+    key = (f"{cpu_name()} x{torch.get_num_threads()} torch {torch.__version__} {simd()} {_source_digest()}"
            f" row-independent least of {CHOICE_REPEATS}")
     return cache_dir / "kernels" / f"choices-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 

@@ -7,7 +7,9 @@ A document marks where a table goes:
     <!-- /report:heldout -->
 
 The name is a result kind (`specgui.results.KINDS`), optionally with a machine folder (`heldout:cpu-amd-epyc-2c`);
-without one, the newest file of that kind by its provenance date. Everything between the two markers is replaced by
+without one, the newest file of that kind by its provenance date among the machines' own runs (a run whose skinny
+kernels were forced to another vector form, `SPECGUI_SIMD=avx2` on an AVX-512 CPU, is shown only where its folder is
+named: `profile:cpu-intel-xeon-processor-2c-avx2`). Everything between the two markers is replaced by
 the kind's table and one provenance line taken from the JSON; the markers and everything outside them are never
 touched. `--check` changes nothing and lists the blocks whose text differs from what their JSON gives (CI runs it
 through the test suite), so a figure in the docs is always the one its command wrote.
@@ -39,6 +41,8 @@ def find_result(name: str, results_dir: Path = RESULTS_DIR) -> tuple[dict[str, A
         raise ValueError(f"unknown report block {name!r}: kinds are {', '.join(KINDS)}")
     paths = [results_dir / machine / f"{kind}.json"] if machine else sorted(results_dir.glob(f"*/{kind}.json"))
     found = [json.loads(p.read_text(encoding="utf-8")) for p in paths if p.is_file()]
+    if not machine:
+        found = [data for data in found if not data.get("provenance", {}).get("simd_forced")]
     if not found:
         return None, kind
     return max(found, key=measured_at), kind
@@ -84,8 +88,9 @@ def _profile(data: dict[str, Any]) -> list[str]:
     one = data["forward"][0][0]
     rows = [[t, f"{data['forward'][0][i]:.2f}", f"{data['forward'][0][i] / one:.2f}×"]
             for i, t in enumerate(data["sizes"])]
+    kernels = f" Skinny kernels: {data['simd']}." if data.get("simd") else ""
     lines = [f"Forward of the {data['model']} over {ctx} cached tokens by new rows; a plain step {data['step']:.2f} ms "
-             f"(loop {data['loop']:.2f} ms beyond its forward), LM head {data['head']:.2f} ms.", "",
+             f"(loop {data['loop']:.2f} ms beyond its forward), LM head {data['head']:.2f} ms.{kernels}", "",
              *_table(["rows", "forward ms", "vs one row"], rows)]
     if data.get("draft_tokens"):
         tokens = data["draft_tokens"]

@@ -67,8 +67,20 @@ def machine_slug(device: str = "cpu") -> str:
     name = device_name(device)
     words = re.sub(r"\((r|tm)\)|cpu|@.*|\d+ cores", " ", name.lower())
     slug = "-".join(re.findall(r"[a-z0-9]+", words))[:40].strip("-")
-    kind = "gpu" if device.startswith("cuda") else "cpu"
-    return f"{kind}-{slug}" + (f"-{os.cpu_count()}c" if kind == "cpu" else "")
+    if device.startswith("cuda"):
+        return f"gpu-{slug}"
+    forced = simd_forced()
+    return f"cpu-{slug}-{os.cpu_count()}c" + (f"-{forced}" if forced else "")
+
+
+def simd_forced() -> str | None:
+    """The skinny kernels' vector form where `SPECGUI_SIMD` forces one this CPU does not pick by itself (e.g. "avx2"
+    on an AVX-512 machine), else None. Such a run measures another machine's kernels: its results go to a folder of
+    their own (`machine_slug`: 'cpu-intel-xeon-processor-2c-avx2') and never stand for the machine's own figures."""
+    from specgui import kernels
+
+    form = kernels.simd()
+    return form if form is not None and form != kernels.best_simd() else None
 
 
 def provenance(device: str = "cpu", argv: list[str] | None = None) -> dict[str, Any]:
@@ -77,15 +89,24 @@ def provenance(device: str = "cpu", argv: list[str] | None = None) -> dict[str, 
     import transformers
 
     args = sys.argv[1:] if argv is None else argv
+    forced = None if device.startswith("cuda") else simd_forced()
     return {
-        "command": "python -m specgui " + " ".join(args),
+        "command": ("" if forced is None else f"SPECGUI_SIMD={forced} ") + "python -m specgui " + " ".join(args),
         "commit": commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device_name(device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        **({} if device.startswith("cuda") else {"simd": simd_label(), "simd_forced": forced is not None}),
     }
+
+
+def simd_label() -> str:
+    """The skinny kernels' form a CPU result was measured with ("avx2+fma", "avx512", or why none ran)."""
+    from specgui import kernels
+
+    return kernels.simd_label()
 
 
 def measured_at(data: dict[str, Any]) -> datetime.datetime:

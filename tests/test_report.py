@@ -154,3 +154,35 @@ def test_the_repositorys_rendered_blocks_match_their_results(capsys):
     """What CI relies on: every table in README.md and docs/ is the one its JSON gives."""
     assert main(["report", "--check"]) == 0, capsys.readouterr().out
     assert report.documents(REPO_DIR)[0].name == "README.md"
+
+
+def test_a_run_of_a_forced_vector_form_has_a_folder_of_its_own_and_renders_only_where_named(tmp_path, monkeypatch):
+    """`SPECGUI_SIMD=avx2` on an AVX-512 CPU measures a laptop's kernels: its results go to '<machine>-avx2', carry
+    the form, and never stand in for the machine's own figures in an unnamed block."""
+    from specgui import kernels
+
+    profile = {"model": "embedded", "sizes": [1, 2], "contexts": [128], "forward": [[20.0, 21.0]], "step": 21.5,
+               "loop": 1.5, "head": 3.0}
+    write(tmp_path / "own", "profile", {**profile, "simd": "avx512"})
+    forced = {**PROVENANCE, "date": "2026-11-27T19:00:00+00:00", "simd": "avx2+fma", "simd_forced": True}
+    (tmp_path / "own-avx2").mkdir()
+    (tmp_path / "own-avx2" / "profile.json").write_text(json.dumps({"provenance": forced, **profile, "forward": [
+        [30.0, 33.0]], "simd": "avx2+fma"}), encoding="utf-8")
+    assert "| 2 | 21.00 | 1.05× |" in report.render("profile", tmp_path)  # the newer forced run is not the default
+    assert "Skinny kernels: avx512." in report.render("profile", tmp_path)
+    named = report.render("profile:own-avx2", tmp_path)
+    assert "| 2 | 33.00 | 1.10× |" in named and "Skinny kernels: avx2+fma." in named
+    if kernels.best_simd() != "avx512":
+        pytest.skip("no AVX-512 here: AVX2 is this CPU's own form, nothing to force")
+    monkeypatch.setenv("SPECGUI_SIMD", "avx2")
+    kernels.reset()
+    try:
+        p = results.provenance("cpu", ["profile", "--save"])
+        assert results.machine_slug("cpu").endswith("c-avx2") and p["simd_forced"]
+        assert p["command"] == "SPECGUI_SIMD=avx2 python -m specgui profile --save"
+        monkeypatch.setenv("SPECGUI_SIMD", "avx512")  # the CPU's own form, named: the machine's own folder
+        kernels.reset()
+        assert results.machine_slug("cpu").endswith("c") and not results.provenance("cpu", [])["simd_forced"]
+    finally:
+        monkeypatch.undo()
+        kernels.reset()

@@ -5,6 +5,7 @@ import torch
 
 from helpers import assert_within_rounding, product_magnitude, rounding_bound, tiny_model
 from specgui import kernels
+from specgui.errors import SpecGUIError
 from specgui.kvcache import FrozenView, KVCache
 from specgui.runner import ATTN, MLP, SkipPlan
 
@@ -175,17 +176,18 @@ def test_every_matmul_form_is_the_same_product(form):
 
 def test_skinny_rows_do_not_depend_on_the_rows_beside_them(skinny_build):
     """What makes a verify forward's rows equal plain steps' bit for bit: each row's product is summed in the
-    same order whether it is computed alone or among 25 rows, odd widths (a K tail, a partial block) included.
-    Every row count from 1 to 25 runs: each takes its own register tile, and past 12 the rows go in passes."""
+    same order whether it is computed alone or among 40 rows, odd widths (a K tail, a partial block) included.
+    Every row count from 1 to 40 runs: each takes its own register tile or groups of rows, in blocks of the input
+    width where it is wide (1100), and past a pass's rows (12 with AVX-512, 32 with AVX2) the rows go in passes."""
     torch.manual_seed(0)
-    for n, k in [(200, 72), (37, 13), (64, 576)]:
+    for n, k in [(200, 72), (37, 13), (64, 576), (30, 1100)]:
         linear = torch.nn.Linear(k, n)
         kernels.install(linear, forced="skinny")
-        x = torch.randn(25, k)
+        x = torch.randn(40, k)
         with torch.no_grad():
             together = linear(x)
-            assert torch.allclose(together, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5)
-            for rows in range(1, 26):
+            assert torch.allclose(together, torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-4)
+            for rows in range(1, 41):
                 assert torch.equal(linear(x[:rows]), together[:rows])
             threads = torch.get_num_threads()
             torch.set_num_threads(2)  # other blocks per thread, the same sums
@@ -200,16 +202,16 @@ def test_skinny_bfloat16_form_is_the_widened_product_row_by_row(skinny_build):
     weights rounded to bf16 once (within half a bf16 step of the exact product), whatever rows share the call;
     a bf16 model through the form matches transformers' forward."""
     torch.manual_seed(1)
-    for n, k in [(200, 72), (37, 13)]:
+    for n, k in [(200, 72), (37, 13), (30, 1100)]:
         linear = torch.nn.Linear(k, n).to(torch.bfloat16)
         kernels.install(linear, forced="skinny")
-        x = torch.randn(25, k).to(torch.bfloat16)
+        x = torch.randn(40, k).to(torch.bfloat16)
         with torch.no_grad():
             together = linear(x)
             exact = x.double() @ linear.weight.double().T + linear.bias.double()
             assert together.dtype == torch.bfloat16
             assert ((together.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-5).all()
-            for rows in range(1, 26):
+            for rows in range(1, 41):
                 assert torch.equal(linear(x[:rows]), together[:rows])
             strided = x.t().contiguous().t()  # the same rows as a column-major view
             assert torch.equal(linear(strided), together)
@@ -225,18 +227,18 @@ def test_skinny_bfloat16_form_is_the_widened_product_row_by_row(skinny_build):
 
 def test_skinny_int8_form_is_the_scaled_product_row_by_row(skinny_build):
     """Fractal's CPU int8 weights: scale[n] * (x . w_n) + bias[n] against a float64 reference, with the rows
-    independent of each other as in the fp32 form (every row count 1-25, odd widths, both thread counts)."""
+    independent of each other as in the fp32 form (every row count 1-40, odd widths, both thread counts)."""
     generator = torch.Generator().manual_seed(1)
     for n, k in [(200, 72), (37, 13), (960, 576)]:
         weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         scale, bias = torch.rand(n, generator=generator) / 100, torch.randn(n, generator=generator)
-        x = torch.randn(25, k, generator=generator)
+        x = torch.randn(40, k, generator=generator)
         together = kernels.skinny_int8(x, weight, scale, bias)
         reference = (x.double() @ weight.double().T) * scale.double() + bias.double()
         assert torch.allclose(together.double(), reference, rtol=1e-5, atol=1e-5)
         unbiased = reference - bias.double()
         assert torch.allclose(kernels.skinny_int8(x, weight, scale, None).double(), unbiased, rtol=1e-5, atol=1e-5)
-        for rows in range(1, 26):
+        for rows in range(1, 41):
             assert torch.equal(kernels.skinny_int8(x[:rows], weight, scale, bias), together[:rows])
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
@@ -244,6 +246,33 @@ def test_skinny_int8_form_is_the_scaled_product_row_by_row(skinny_build):
             assert torch.equal(kernels.skinny_int8(x, weight, scale, bias), together)
         finally:
             torch.set_num_threads(threads)
+
+
+def test_the_vector_form_is_the_cpus_best_or_the_one_specgui_simd_names(monkeypatch):
+    """`SPECGUI_SIMD` picks the skinny library's vector form (its own build: the flags are in its digest, so a cost
+    profile and a kernel choice never cross forms); unset, the best this CPU has; a bad value is a one-line error."""
+    try:
+        monkeypatch.delenv("SPECGUI_SIMD", raising=False)
+        kernels.reset()
+        assert kernels.simd() == kernels.best_simd()
+        monkeypatch.setenv("SPECGUI_SIMD", "sse9")
+        kernels.reset()
+        with pytest.raises(SpecGUIError, match="SPECGUI_SIMD='sse9' is not a vector form: use one of avx512, avx2"):
+            kernels.simd()
+        digests = {}
+        for form in ("avx2", "avx512"):
+            monkeypatch.setenv("SPECGUI_SIMD", form)
+            kernels.reset()
+            if not kernels.SIMD_NEEDS[form] <= kernels._cpu_flags():
+                with pytest.raises(SpecGUIError, match=f"SPECGUI_SIMD={form}: this CPU lacks"):
+                    kernels.simd()
+                continue
+            digests[form] = kernels._source_digest()
+            assert kernels.simd() == form and kernels.simd_label() in ("avx2+fma", "avx512")
+        assert len(set(digests.values())) == len(digests)
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
 
 
 def test_the_row_independent_form_is_kept_whatever_the_timings(monkeypatch):
