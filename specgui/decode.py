@@ -177,8 +177,9 @@ def generate(
             rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
             predicted_ms = state.step_ms(draft.cost_ms, rows)
             priced_verify_ms = profile.verify_ms(rows, state.committed)
-            logits, extra_logits = _verify_forward(state, draft)
-            verdict = verify(logits, draft, sampling, generator, extra_logits, before_read=clock.mark,
+            logits, extra_logits, extra_rows = _verify_forward(state, draft)
+            verdict = verify(logits, draft, sampling, generator, extra_logits, extra_rows=extra_rows,
+                             before_read=clock.mark,
                              riders=state.riders)
             state.riders = []
             # 3. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
@@ -222,9 +223,11 @@ def run(lm: LoadedModel, prompt_ids: list[int], method: str = "baseline", **kwar
 costs.use_decoder(run)  # the cost model times plain steps with this loop without importing it
 
 
-def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor | Top, torch.Tensor | Top | None]:
-    """Logits [1 + N, V] for the pending token and the tree nodes, and [E, V] for the extras if wanted; under greedy
-    decoding their `Top`s (`Runner.forward(top=)`)."""
+def _verify_forward(state: DecodeState, draft: Draft
+                    ) -> tuple[torch.Tensor | Top, torch.Tensor | None, list[int] | None]:
+    """Logits [1 + N, V] for the pending token and the tree nodes, and [E, V] for the extras if wanted. Under greedy
+    decoding instead the `Top` of the whole block (`Runner.forward(top=)`, computed in the program), and the rows past
+    the tree's whose choices the extras want (read with the rest in one piece, picked on the host)."""
     c = state.committed
     tokens = [state.pending, *draft.tokens]
     positions = [c] + [c + d for d in draft.depths()]
@@ -240,8 +243,9 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor | To
         positions += extras.positions
     n = 1 + len(draft)
     want = extras is not None and extras.want_logits
+    greedy = state.sampling.greedy
     rows: torch.Tensor | slice = slice(None) if want else slice(0, n)
-    if want and extras.logit_rows is not None:
+    if want and extras.logit_rows is not None and not greedy:
         rows = torch.from_numpy(np.concatenate([np.arange(n), n + np.asarray(extras.logit_rows, dtype=np.int64)]))
     ids = np.asarray(tokens, dtype=np.int64)  # host values stay numpy: they ride in the pass's one upload
     on_device = draft.on_device
@@ -252,9 +256,13 @@ def _verify_forward(state: DecodeState, draft: Draft) -> tuple[torch.Tensor | To
     logits = state.runner.forward(
         ids, np.asarray(positions, dtype=np.int64), state.cache, visibility=visibility, logits_rows=rows,
         observer=draft.observer, pre_layer=extras.pre_layer if extras else None,
-        top=VERIFY_TOP if state.sampling.greedy else 0,  # greedy reads the head's verdict, computed in the program
+        top=VERIFY_TOP if greedy else 0,  # greedy reads the head's verdict, computed in the program
     )
-    return logits[:n], (logits[n:] if want else None)
+    if greedy:
+        if not want:
+            return logits, None, None
+        return logits, None, extras.logit_rows if extras.logit_rows is not None else list(range(len(extras.tokens)))
+    return logits[:n], (logits[n:] if want else None), None
 
 
 def _cut(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> tuple[list[int], str | None]:

@@ -36,9 +36,11 @@ class Verdict:
 
 def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generator: torch.Generator | None,
            extra_logits: torch.Tensor | Top | None = None, before_read: Callable[[], None] | None = None,
-           riders: Sequence[Rider] = ()) -> Verdict:
+           riders: Sequence[Rider] = (), extra_rows: Sequence[int] | None = None) -> Verdict:
     """Decide a draft against target `logits` [1 + N, V] (row 0: the pending token, row i + 1: node i), or, under
-    greedy decoding, against their `Top` (what the fast path's program computes: `Runner.forward(top=)`).
+    greedy decoding, against their `Top` (what the fast path's program computes: `Runner.forward(top=)`). With
+    `extra_rows`, `logits` is the `Top` of the whole verify block and the extras' choices are its rows past the tree's
+    at those offsets, read in the same piece (no join).
 
     Under greedy decoding the step reads the device once: the target's choice and margin of every row, the choice
     at every row of `extra_logits`, an `on_device` draft's nodes and the `riders`' values travel in one tensor
@@ -69,6 +71,8 @@ def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generat
     extras = len(extra) if extra is not None else 0
     done = rows * width
     extra_tokens = [int(v) for v in values[done : done + extras]] if extra is not None else None
+    if extra_rows is not None:
+        extra_tokens = [best[1 + len(draft) + r] for r in extra_rows]
     if draft.on_device is not None:
         draft.settle(values[done + extras :])
     children = draft.children()
