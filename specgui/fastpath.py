@@ -515,8 +515,8 @@ class BucketInputs:
                    torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device),
                    torch.zeros(1, dtype=torch.long, device=device))
         if bucket(rows) == rows:  # a bucket's inputs live on; a larger forward's are made for its one pass
-            upload = torch.zeros(rows + 2 * runner.num_layers + rows * rows + rows, dtype=torch.long, device=device)
-            made.builder = Program(made._build, upload, store, True, read=False)
+            packed = torch.zeros(rows + 2 * runner.num_layers + rows * rows + rows, dtype=torch.long, device=device)
+            made.builder = Program(made._build, packed, store, True, read=False)
         return made
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
@@ -615,7 +615,9 @@ def masks(prefix: torch.Tensor, offset: torch.Tensor, block: torch.Tensor, colum
 
 
 class Program:
-    """A function of one static input buffer, run by CUDA graph replay on CUDA, by a plain call elsewhere.
+    """A function of one static input buffer, run by CUDA graph replay on CUDA, by a plain call elsewhere. The buffer
+    is the program's own, or (`shared`) the `example` itself: whole-model forwards read their ids from a view of the
+    cache's token buffer, where the pass's upload or a chained draft puts them.
 
     `__call__` returns the output buffer, the same tensor every time. On CUDA `prepare` (at warm-up, or on
     first use) runs the function once on the cache's side stream (lazy initialisations, allocator), allocates

@@ -66,9 +66,6 @@ class Top:
     def __len__(self) -> int:
         return self.packed.shape[0]
 
-    def __getitem__(self, rows: slice) -> Top:
-        return Top(self.packed[rows], self.k)
-
     @property
     def ids(self) -> torch.Tensor:
         return self.packed[:, : self.k]
