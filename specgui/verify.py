@@ -35,7 +35,7 @@ class Verdict:
 
 
 def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generator: torch.Generator | None,
-           extra_logits: torch.Tensor | Top | None = None, before_read: Callable[[], None] | None = None,
+           extra_logits: torch.Tensor | None = None, before_read: Callable[[], None] | None = None,
            riders: Sequence[Rider] = (), extra_rows: Sequence[int] | None = None) -> Verdict:
     """Decide a draft against target `logits` [1 + N, V] (row 0: the pending token, row i + 1: node i), or, under
     greedy decoding, against their `Top` (what the fast path's program computes: `Runner.forward(top=)`). With
@@ -49,8 +49,7 @@ def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generat
     if not sampling.greedy and isinstance(logits, Top):
         raise TypeError("sampling verifies against logits: a Top keeps only the likeliest ids")
     target = logits if isinstance(logits, Top) else top_of(logits, VERIFY_TOP)
-    extra = extra_logits if extra_logits is None or isinstance(extra_logits, Top) else top_of(extra_logits,
-                                                                                            VERIFY_TOP)
+    extra = None if extra_logits is None else top_of(extra_logits, VERIFY_TOP)
     parts = [target.packed]
     if extra is not None and len(extra):
         parts.append(extra.ids[:, 0])
