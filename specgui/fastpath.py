@@ -31,7 +31,9 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
       - sub-layer: one attention or MLP sub-layer, for what still runs piecewise (the cost model's per-sub-layer
         prices, a pass whose observer or hook sits between sub-layers).
     Every program owns its output buffer, allocated before capture outside the graphs' shared memory pool: a
-    replay of a program captured earlier can reuse the pool's memory of one captured later, never its output.
+    replay of a program captured earlier can reuse the pool's memory of one captured later, never its output. The
+    verify forwards' Tops are the exception: they go to the cache's `readout`, just before a draft chain's, so that
+    a step reads the verdict and the chain as one span.
 
 The contract that keeps held outputs right: a program's output is valid only until the next program runs.
 Whatever a caller keeps across another program call it makes lasting (`Pass.lasting`): observers get
@@ -78,9 +80,12 @@ MODES = ("auto", "on", "off")
 FORWARD = -1  # the `kind` of a forward program (a stretch of layers as one program)
 KEEP = -2  # the `kind` of a keeper program (moves a step's accepted keys into place in every layer)
 CHAINED = -3  # the `kind` of a chained draft program (`StaticKVCache.chain`)
+ROWS = -4  # the `kind` of a rows program (`StaticPass.rows_program`)
 CHAIN = 32  # the longest draft chain a chained program keeps (`LayerSkipParams.max_draft`'s bound)
+CHAIN_NODES = 16  # the most ids a chained draft keeps a position (SWIFT's widest candidate width)
 PLANS = 8  # skip plans whose forward programs a cache keeps (the least recently used goes first)
 Piece = tuple[Sequence[nn.Module] | None, range]  # a stretch of layers run as one program (modules standing in)
+RunRows = Callable[[torch.Tensor, int, tuple[int, ...]], torch.Tensor]  # (h [Tb, H], layer, kinds) -> h, in a program
 LOG = logging.getLogger("specgui.fastpath")
 
 
@@ -249,7 +254,10 @@ class StaticKVCache(KVCache):
         self.inputs: dict[int, BucketInputs] = {}
         self.programs: dict[tuple[Any, ...], Program] = {}
         self.plans: collections.OrderedDict[SkipPlan, None] = collections.OrderedDict()  # most recently used last
-        self.rings: dict[int, torch.Tensor] = {}  # per head width: a draft chain's Tops, row by row (`chain`)
+        # what a greedy step reads, in one float32 buffer: every bucket's verify `Top` (the plain forward ending in
+        # the verify's head) ending where a draft chain's Tops begin (`ring`), so that a step reading both reads one
+        # span of it (`verify`), no join on the device
+        self.readout = torch.zeros(BUCKETS[-1] * _width(VERIFY_TOP) + CHAIN * _width(CHAIN_NODES), device=device)
         # the token ids every whole-model forward program reads (a bucket's first rows): written by the pass's upload
         # (`BucketInputs.load`) or on the device by a chained draft (`chain`), where the next forward finds them
         self.tokens = torch.zeros(1, BUCKETS[-1], dtype=torch.long, device=device)
@@ -347,8 +355,23 @@ class StaticKVCache(KVCache):
             example = (self.tokens[:, : inputs.rows] if embeds
                        else torch.zeros(hidden, dtype=runner.dtype, device=runner.device))
             capturable = all(getattr(blocks[layer], "capturable", True) for layer in layers)
-            self.programs[key] = Program(run, example, self, capturable, shared=embeds)
+            verifies = embeds and top == VERIFY_TOP and skip is None and modules is None and not record
+            self.programs[key] = Program(run, example, self, capturable, shared=embeds,
+                                         output=self.verify_top(inputs.rows) if verifies else None)
         return self.programs[key]
+
+    def verify_top(self, rows: int) -> torch.Tensor:
+        """Where a verify forward's `Top` over a bucket of `rows` goes: the readout's rows just before the ring."""
+        end = BUCKETS[-1] * _width(VERIFY_TOP)
+        return self.readout[end - rows * _width(VERIFY_TOP) : end].view(rows, _width(VERIFY_TOP))
+
+    def ring(self, top: int) -> torch.Tensor:
+        """A draft chain's Tops of width `top`, a row per chain position [CHAIN, 3 top + 1], in the readout right
+        after the verify Tops (one chain is read at a time: a chain of any width starts there)."""
+        if top > CHAIN_NODES:
+            raise SpecGUIError(f"a chained draft keeps at most {CHAIN_NODES} ids a position, got {top}")
+        start = BUCKETS[-1] * _width(VERIFY_TOP)
+        return self.readout[start : start + CHAIN * _width(top)].view(CHAIN, _width(top))
 
 
     def chain(self, skip: SkipPlan, pending: int, start: int, limit: int, nodes: int = 1) -> torch.Tensor:
@@ -377,9 +400,7 @@ class StaticKVCache(KVCache):
         the verify's tokens at that row's place."""
         top = max(VERIFY_TOP, nodes)
         key = _key(None, CHAINED, 1, skip, nodes)
-        ring = self.rings.get(top)
-        if ring is None:  # outside the graphs' pool, made before any capture that writes it
-            ring = self.rings[top] = torch.zeros(CHAIN, 3 * top + 1, device=self.runner.device)
+        ring = self.ring(top)
         if key not in self.programs:
             forward = self.forward_program(inputs, skip, top=top)
             device = self.runner.device
@@ -399,6 +420,25 @@ class StaticKVCache(KVCache):
             capturable = all(getattr(layer, "capturable", True) for layer in self.runner.layers)
             self.programs[key] = Program(run, forward.input, self, capturable, read=False, shared=True)
         return self.programs[key], ring
+
+    def made(self, key: Any, rows: int) -> bool:
+        """Whether the rows program of `key` at a bucket of `rows` is made (`rows_program`)."""
+        return _key(None, ROWS, rows, key) in self.programs
+
+    def rows_program(self, inputs: BucketInputs, key: Any,
+                     make: Callable[[], Callable[[torch.Tensor, RunRows], torch.Tensor]], example: torch.Tensor
+                     ) -> Program:
+        """The program of `StaticPass.rows_program` at a bucket (made on first use)."""
+        full = _key(None, ROWS, inputs.rows, key)
+        if full not in self.programs:
+            fn, runner = make(), self.runner
+
+            def run_rows(h: torch.Tensor, layer: int, kinds: tuple[int, ...]) -> torch.Tensor:
+                return self.units(runner.layers[layer], layer, kinds, h[None], inputs)[0]
+
+            capturable = all(getattr(layer, "capturable", True) for layer in runner.layers)
+            self.programs[full] = Program(lambda x: fn(x, run_rows), example, self, capturable)
+        return self.programs[full]
 
     def place(self, row: int, ids: torch.Tensor) -> None:
         """Device-held token ids into the token buffer from `row` on, where the next whole-model forward reads them
@@ -594,6 +634,11 @@ class BucketInputs:
         self.sin.copy_(sin)
 
 
+def _width(top: int) -> int:
+    """A packed `Top`'s floats a row (`runner.Top`)."""
+    return 3 * top + 1
+
+
 def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
     """Host values as numpy: an array as it is; a tensor read (on a GPU, a host tensor's read waits for nothing)."""
     return values if isinstance(values, np.ndarray) else values.cpu().numpy()
@@ -626,12 +671,13 @@ class Program:
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, store: StaticKVCache,
-                 capturable: bool, read: bool = True, shared: bool = False) -> None:
+                 capturable: bool, read: bool = True, shared: bool = False, output: torch.Tensor | None = None) -> None:
         self.fn = fn
         self.read = read  # whether callers read its output (a bucket's inputs builder writes its inputs instead)
         self.store = store
         self.input = example if shared else torch.zeros_like(example)  # shared: a view of the cache's token buffer
-        self.output: torch.Tensor | None = None
+        self.given = output  # where its output goes, if not a buffer of its own (a verify Top: the cache's readout)
+        self.output: torch.Tensor | None = output
         self.graphs = store.graphs and capturable
         self.graph: Any = None
         self.failed = False
@@ -659,8 +705,8 @@ class Program:
                 self.output = torch.empty_like(out)
             self.output.copy_(out)
         if _checking and self.read:  # an output nobody reads is neither poisoned nor poisons
-            for other in _live:
-                if other is not self and other.output is not None:
+            for other in _live:  # (outputs in one buffer, the verify Tops, are each other's to overwrite anyway)
+                if other is not self and other.output is not None and not _same_buffer(other.output, self.output):
                     other.output.fill_(float("nan"))
             _live[:] = [self]
         return self.output
@@ -669,7 +715,9 @@ class Program:
         side = self.store.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.output = torch.empty_like(self.fn(self.input))  # outside the shared pool: no replay reuses it
+            first = self.fn(self.input)
+            if self.output is None:
+                self.output = torch.empty_like(first)  # outside the shared pool: no replay reuses it
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -679,9 +727,13 @@ class Program:
             if not any(p.failed for p in self.store.programs.values()):
                 LOG.warning("a program could not be captured as a CUDA graph and runs eagerly (others may "
                             "follow, logged once): %s", str(exc).splitlines()[0])
-            self.graphs, self.output, self.failed = False, None, True
+            self.graphs, self.output, self.failed = False, self.given, True
             return
         self.graph = graph
+
+
+def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class StaticPass(Pass):
@@ -729,11 +781,26 @@ class StaticPass(Pass):
             return out[:t]
         if observer is None:
             return out[:, :t]
+        if hasattr(observer, "stack") and not skip:  # the whole stack at once, used before any other program runs
+            observer.stack(out[:, :, :t])
+            return out[-1, :, :t]
         states = out[:, :, :t].clone()
         observer(0, states[0])
         for layer, kind in kept_units(skip, range(self.runner.num_layers)):
             observer(unit_index(layer, kind), states[unit_index(layer, kind)])
         return states[-1]
+
+    def rows_program(self, key: Any, make: Callable[[], Callable[[torch.Tensor, RunRows], torch.Tensor]],
+                     x: torch.Tensor) -> torch.Tensor:
+        """`fn(x, run)` as one program over this pass's bucket of rows, `fn` = `make()` (called once a key and bucket,
+        before any capture, so that its constants live outside the graph): `run(h [Tb, H], layer, kinds)` runs those
+        sub-layers of a layer on the bucket's rows, inside, as a forward program runs them. Many sub-layer runs over
+        the same rows become one replay and one upload (CLaSp's search: a unit's pass each, 60 a search). `x` is copied
+        into the program's input; the output is valid until the next program runs."""
+        self._load()
+        program = self.store.rows_program(self.inputs, key, make, x)
+        program.input.copy_(x)
+        return self.call(program)
 
     def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:
         if not self.bucketed:

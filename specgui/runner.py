@@ -37,7 +37,9 @@ from specgui.kvcache import Cache, Layout, to_device
 ATTN, MLP = 0, 1
 VERIFY_TOP = 2  # the ids a verify's head keeps per row (`Top`): the target's choice and the runner-up, for the margin
 
-# observer(k, h): k = 0 is the embedding output, k = unit_index(layer, kind) the state after that sub-layer.
+# observer(k, h): k = 0 is the embedding output, k = unit_index(layer, kind) the state after that sub-layer. An
+# observer with a `stack(states)` method takes the fast path's recorded states of a forward that skips nothing whole
+# instead, [2 * layers + 1, 1, T, H] in that order, in one call: a program's output, to copy what it keeps.
 Observer = Callable[[int, torch.Tensor], None]
 # pre_layer(layer, h, pass) -> h: may rewrite the hidden states [1, T, H] entering `layer`. It is called before every
 # layer, or, where it names them in a `layers` attribute, before those only (`num_layers` among them: before the final
@@ -228,12 +230,12 @@ class Runner:
                     return Top(packed if logits_rows is None else _rows_of(packed, logits_rows), top)
             logits = self.logits(self._hidden(step, tokens, skip, observer, pre_layer), logits_rows, vocab)
             return top_of(logits, top) if top else logits
-        states: dict[int, list[torch.Tensor]] = {}
-        collect = None if observer is None else (lambda k, h: states.setdefault(k, []).append(h))
+        stacks = hasattr(observer, "stack") and not skip
+        collect = None if observer is None else _StackedChunks() if stacks else _Chunks()
         parts = [self._hidden(self.new_pass(positions[a : a + chunk], cache), tokens[a : a + chunk], skip, collect,
                               None).clone() for a in range(0, len(tokens), chunk)]  # clone: outputs are reused
-        for k, hs in states.items():
-            observer(k, torch.cat(hs, dim=1))
+        if collect is not None:
+            collect.tell(observer)
         logits = self.logits(torch.cat(parts, dim=1), logits_rows, vocab)
         return top_of(logits, top) if top else logits
 
@@ -286,6 +288,37 @@ class Runner:
         h = hidden[0] if rows is None else hidden[0, rows]
         h = self.norm(h.to(execution_device(self.norm))).to(self.head_device)
         return self.lm_head(h).float() if vocab is None else vocab.logits(h)
+
+
+class _Chunks:
+    """A chunked forward's states for its observer, a state per sub-layer, told once all chunks have run."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, k: int, h: torch.Tensor) -> None:
+        self.states.setdefault(k, []).append(h)
+
+    def tell(self, observer: Observer) -> None:
+        for k, hs in self.states.items():
+            observer(k, torch.cat(hs, dim=1))
+
+
+class _StackedChunks(_Chunks):
+    """`_Chunks` for an observer that takes a forward's states whole (`Observer`): each chunk's stack kept (a
+    program's output is reused by the next chunk's program), told joined along the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stacks: list[torch.Tensor] = []
+
+    def stack(self, states: torch.Tensor) -> None:
+        self.stacks.append(states.clone())
+
+    def tell(self, observer: Observer) -> None:
+        if self.stacks:
+            observer.stack(torch.cat(self.stacks, dim=2))
+        super().tell(observer)
 
 
 class Pass:

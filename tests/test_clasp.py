@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import decode
+from specgui import decode, dispatch, fastpath
 from specgui.kvcache import FrozenView, KVCache
 from specgui.methods.skipdp import HiddenRecorder, make_units, plan_for, search, unit_end
 from specgui.runner import Pass
@@ -15,9 +15,10 @@ TEXT = ("The museum offers free guided tours every Saturday morning. Visitors ca
         "modern sculpture, and children under twelve enter for free. The cafe on the top floor")
 
 
-def _prefilled(lm, ids):
-    cache, recorder = KVCache(), HiddenRecorder()
-    with torch.no_grad():
+def _prefilled(lm, ids, fast=False):
+    cache = fastpath.cache_for(lm.runner, len(ids)) if fast else KVCache()
+    recorder = HiddenRecorder()
+    with torch.inference_mode() if fast else torch.no_grad():  # the fast path's buffers are inference tensors
         lm.runner.forward(torch.tensor(ids), torch.arange(len(ids)), cache, observer=recorder)
     return cache, recorder
 
@@ -75,6 +76,31 @@ def test_dp_is_algorithm_1(granularity, budget):
             found = search(lm.runner, cache, position, recorder.row(position), units, budget)
             expected = _reference_dp(lm, cache, position, recorder.row(position), units, budget)
         assert found.skipped == expected, f"position {position}"
+
+
+@pytest.mark.parametrize("granularity,budget", [("layer", 3), ("sublayer", 5)])
+def test_the_fast_paths_dp_is_one_program_with_the_same_choice(granularity, budget):
+    """On the fast path the whole search is one program over a bucket of rows (every unit's cells gathered into it):
+    one program call, one upload, the hidden states' copy in and one read, whatever the units; the same set and
+    score as the eager passes' DP over the same cache contents."""
+    lm = tiny_model(layers=8, seed=5, init=0.2)
+    ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 2, 38, 46, 26, 43, 38, 32, 7]
+    eager_cache, eager_recorder = _prefilled(lm, ids)
+    cache, recorder = _prefilled(lm, ids, fast=True)
+    units = make_units(8, granularity)
+    with torch.inference_mode():  # the program is made on first use (`Clasp.setup` makes it)
+        search(lm.runner, cache, 3, recorder.row(3), units, budget)
+    for position in (5, 11, 19):
+        with torch.inference_mode():
+            expected = search(lm.runner, eager_cache, position, eager_recorder.row(position), units, budget)
+            hidden = recorder.row(position)
+            lengths = list(cache.lengths)
+            with dispatch.counting() as counts:
+                found = search(lm.runner, cache, position, hidden, units, budget)
+        assert found.skipped == expected.skipped and found.score == pytest.approx(expected.score, abs=1e-5)
+        assert cache.lengths == lengths
+        assert counts.programs == [1] and sum(counts.reads.values()) == 1
+        assert sum(counts.eager.values()) <= 2, counts.eager  # the states' copy in, the upload
 
 
 def test_dp_rows_are_independent_and_leave_the_cache_alone(embedded_lm):

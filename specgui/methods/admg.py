@@ -31,18 +31,37 @@ class AdmgParams(AdaptiveExitParams):
 
 
 class AcsMeter:
-    """Prefill observer: mean cosine similarity between each attention sub-layer's input and output, written into
-    one device tensor, so that the prompt forward's verdict read brings every layer's ACS along (`DecodeState.ride`)."""
+    """Prefill observer: the cosine similarity between each attention sub-layer's input and output, summed over the
+    prompt's rows into one device tensor, so that the prompt forward's verdict read brings every layer's sum along
+    (`DecodeState.ride`); `acs` divides on the host. On the fast path it takes the recording program's states whole
+    (`stack`): three device operations a forward, where a layer at a time cost three a layer."""
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
-        self.means = torch.zeros(num_layers, device=device)
+        self.sums = torch.zeros(num_layers, device=device)
+        self.rows = 0  # prompt rows summed over
         self.before: torch.Tensor | None = None
 
     def __call__(self, k: int, h: torch.Tensor) -> None:
-        if k > 0 and unit_at(k)[1] == ATTN:  # the state after a layer's attention; `before` is its input
-            cos = torch.nn.functional.cosine_similarity(self.before.float(), h.float(), dim=-1)  # [1, T]
-            self.means[unit_at(k)[0]] = cos.mean().to(self.means.device)
+        """One state at a time (the eager path): the state after a layer's attention, `before` being its input."""
+        if k > 0 and unit_at(k)[1] == ATTN:
+            layer = unit_at(k)[0]
+            self.sums[layer] += _cos(self.before, h).sum().to(self.sums.device)
+            self.rows += h.shape[1] if layer == 0 else 0
         self.before = h
+
+    def stack(self, states: torch.Tensor) -> None:
+        """Every state of one forward [2 L + 1, 1, T, H] (the embedding's, then each sub-layer's; `runner.Observer`):
+        before each attention the even ones, after it the odd ones."""
+        self.sums += _cos(states[0:-1:2], states[1::2]).sum((1, 2)).to(self.sums.device)
+        self.rows += states.shape[2]
+
+    def acs(self, sums: list[float]) -> list[float]:
+        """Each attention's mean similarity over the prompt, from the read `sums`."""
+        return [value / self.rows for value in sums]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
 def admg_plan(acs: list[float], alpha: float, every: int, keep_last: int) -> SkipPlan:
@@ -71,7 +90,7 @@ class Admg(LayerSkipDrafter):
     def begin(self, state: DecodeState) -> AcsMeter:
         super().begin(state)
         self.meter = AcsMeter(self.runner.num_layers, self.runner.device)
-        self.acs = state.ride(self.meter.means)
+        self.acs = state.ride(self.meter.sums)
         return self.meter
 
     def make_exit(self) -> ExitThreshold:
@@ -90,7 +109,7 @@ class Admg(LayerSkipDrafter):
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
             return {}
-        p, acs = self.params, self.acs.values
+        p, acs = self.params, self.meter.acs(self.acs.values)
         self.plan = admg_plan(acs, p.alpha, p.every, p.keep_last)
         self.adopted = False
         return {"acs": acs, "skip": self.plan.to_dict()}

@@ -26,7 +26,7 @@ from specgui.draft import Outcome
 from specgui.methods.base import DecodeState, register
 from specgui.methods.layerskip import ExitThreshold, LayerSkipDrafter, LayerSkipParams
 from specgui.methods.policy import Plan
-from specgui.methods.skipdp import GRANULARITIES, HiddenRecorder, make_units, plan_for, search
+from specgui.methods.skipdp import GRANULARITIES, HiddenRecorder, make_units, plan_for, prepare, search
 from specgui.params import param
 
 
@@ -53,6 +53,7 @@ class Clasp(LayerSkipDrafter):
         self.budget = max(1, min(len(self.units) - 1, round(self.params.skip_fraction * len(self.units))))
         key = f"clasp.search.{self.params.granularity}.{self.budget}"
         self.dp_ms = state.profile.mechanism(key, lambda: self._search_ms(state)) if state.profile else 0.0
+        prepare(self.runner, state.cache, self.units, self.budget)  # the fast path's search program, made untimed
 
     def begin(self, state: DecodeState) -> HiddenRecorder:
         super().begin(state)

@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from specgui.kvcache import KVCache, to_device
+from specgui.kvcache import KVCache
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
 from specgui.vocab import DraftVocab
 
@@ -63,14 +62,15 @@ class SkipSpace:
 def matchness(runner: Runner, cache: KVCache, prefix: int, tokens: list[int], plan: SkipPlan,
               vocab: DraftVocab | None = None) -> tuple[int, int]:
     """(right, total): how many of `tokens[1:]` the skipped model predicts from the text before each, with the head
-    its drafts use (the full one, or a draft vocabulary's part).
+    its drafts use (the full one, or a draft vocabulary's part), choosing as its drafts choose (the head's `Top`, on
+    the fast path computed in the forward's program: one read, no device work around it).
 
     `tokens` follow the first `prefix` cached positions; the cache is read, never grown.
     """
     if len(tokens) < 2:
         return 0, 0
     n = len(tokens) - 1
-    logits = runner.forward(torch.tensor(tokens[:-1]), torch.arange(prefix, prefix + n), cache.view(prefix), skip=plan,
-                            vocab=vocab)
-    right = logits.argmax(-1) == to_device(torch.tensor(tokens[1:]), logits.device)
-    return int(right.sum()), n
+    top = runner.forward(np.asarray(tokens[:-1], dtype=np.int64), np.arange(prefix, prefix + n), cache.view(prefix),
+                         skip=plan, vocab=vocab, top=2)
+    chosen = top.packed[:, 0].tolist()
+    return sum(int(c) == t for c, t in zip(chosen, tokens[1:])), n
