@@ -50,7 +50,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -86,6 +86,22 @@ CHAIN_NODES = 16  # the most ids a chained draft keeps a position (SWIFT's wides
 PLANS = 8  # skip plans whose forward programs a cache keeps (the least recently used goes first)
 Piece = tuple[Sequence[nn.Module] | None, range]  # a stretch of layers run as one program (modules standing in)
 RunRows = Callable[[torch.Tensor, int, tuple[int, ...]], torch.Tensor]  # (h [Tb, H], layer, kinds) -> h, in a program
+# (h [1, T, H], layers, modules, rows) -> h: those layers of `modules` on h inside a forward's program, over the
+# forward's own inputs or, given `rows` (start, count), over those rows of them
+RunLayers = Callable[[torch.Tensor, range, Sequence[nn.Module], tuple[int, int] | None], torch.Tensor]
+
+
+class InProgram(Protocol):
+    """A pre-layer hook's work inside a whole forward's program (Fractal's splice), where the hook offers one
+    (`Runner.forward` asks its `in_program()`): before each of `layers`, `inside(layer, h, run)` -> h. `key` names
+    what the function does (a program is made per key and bucket: `rows` is the forward's rows); the tensors it
+    writes for the host live at fixed addresses (the cache's `tail`)."""
+
+    key: Any
+    layers: frozenset[int]
+    rows: int
+
+    def inside(self, layer: int, h: torch.Tensor, run: RunLayers) -> torch.Tensor: ...
 LOG = logging.getLogger("specgui.fastpath")
 
 
@@ -141,19 +157,23 @@ def compiles_for(runner: Runner) -> bool:
 
 
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
-            buckets: Sequence[int] = BUCKETS, nodes: int = 1) -> None:
+            buckets: Sequence[int] = BUCKETS, nodes: int = 1, hooks: Sequence[InProgram] = ()) -> None:
     """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, the
     same ending in a verify's head (`Runner.forward(top=)`), its recording variant and, at one row, each sub-layer
     of every layer (what the cost model times: no pass runs a sub-layer alone at more rows but a forward past the
     buckets, and a capture costs a device synchronisation and an emptied allocator cache, so the 60 a bucket would
     be most of a cache's captures); given `pieces`, those stretches of layers, one program each (`Drafter.pieces`);
     given `plans`, those skip plans' forwards, plain, ending in a draft's head and chained with `nodes` ids a
-    position (`chain`). At `buckets`.
+    position (`chain`); given `hooks`, the whole forward with each hook inside, ending in a verify's head, at its
+    bucket. At `buckets`.
     Captures run on inputs that touch only the scratch region, so the cache's contents stay as they are. Programs
     made before are skipped: a second call is free."""
     runner = cache.runner
 
     def wanted(inputs: BucketInputs) -> list[Program]:
+        if hooks:
+            return [cache.forward_program(inputs, top=VERIFY_TOP, hook=hook) for hook in hooks
+                    if bucket(hook.rows) == inputs.rows]
         if plans:
             chained = [cache.chained_program(inputs, plan, nodes)[0] for plan in plans if inputs.rows == 1]
             top = max(VERIFY_TOP, nodes)
@@ -312,21 +332,23 @@ class StaticKVCache(KVCache):
         return self.programs[key]
 
     def forward_program(self, inputs: BucketInputs, skip: SkipPlan | None = None, layers: range | None = None,
-                        record: bool = False, modules: Sequence[nn.Module] | None = None, top: int = 0) -> Program:
+                        record: bool = False, modules: Sequence[nn.Module] | None = None, top: int = 0,
+                        hook: InProgram | None = None) -> Program:
         """The program running `layers` at a bucket as one piece, `skip`'s sub-layers left out, `modules[layer]`
         standing in for the runner's layers where given (Fractal's compressed copies). Without `layers`: the whole
         model from token ids [1, Tb]; with them, from hidden states [1, Tb, H]. Out: the last layer's output
         [1, Tb, H], or, `record`ing, the state before the first and after every sub-layer [2 * len(layers) + 1, 1,
         Tb, H] (a skipped one's: its input), the last being the output; or, with `top` (the whole model, not
         recording), the head's verdict on every row, the packed `runner.Top` [Tb, 3 top + 1]: the final norm, the
-        head and its reductions inside the program."""
+        head and its reductions inside the program. A `hook` (the whole model, not recording) runs inside it before
+        its layers (`InProgram`)."""
         runner = self.runner
         embeds = layers is None
         layers = range(runner.num_layers) if layers is None else layers
         blocks = runner.layers if modules is None else modules
         skip = skip or None
         key = _key(None, FORWARD, inputs.rows, skip, layers.start, layers.stop, embeds, record,
-                   0 if modules is None else id(modules), top)
+                   0 if modules is None else id(modules), top, None if hook is None else hook.key)
         if skip is not None:
             self.plans[skip] = None
             self.plans.move_to_end(skip)
@@ -335,10 +357,19 @@ class StaticKVCache(KVCache):
                 self.programs = {k: p for k, p in self.programs.items() if dropped not in k}
         if key not in self.programs:
 
+            def stretch(h: torch.Tensor, span: range, modules: Sequence[nn.Module], rows: tuple[int, int] | None
+                        ) -> torch.Tensor:
+                on = inputs if rows is None else inputs.rows_of(*rows)
+                for layer in span:
+                    h = self.units(modules[layer], layer, (ATTN, MLP), h, on)
+                return h
+
             def run(x: torch.Tensor) -> torch.Tensor:
                 h = runner.embed(x) if embeds else x
                 states = [h]
                 for layer in layers:
+                    if hook is not None and layer in hook.layers:
+                        h = hook.inside(layer, h, stretch)
                     kinds = tuple(kind for kind in (ATTN, MLP) if skip is None or not skip.skips(layer, kind))
                     if not record:
                         h = self.units(blocks[layer], layer, kinds, h, inputs)
@@ -366,12 +397,18 @@ class StaticKVCache(KVCache):
         return self.readout[end - rows * _width(VERIFY_TOP) : end].view(rows, _width(VERIFY_TOP))
 
     def ring(self, top: int) -> torch.Tensor:
-        """A draft chain's Tops of width `top`, a row per chain position [CHAIN, 3 top + 1], in the readout right
-        after the verify Tops (one chain is read at a time: a chain of any width starts there)."""
+        """A draft chain's Tops of width `top`, a row per chain position [CHAIN, 3 top + 1], at the readout's `tail`
+        (one chain is read at a time: a chain of any width starts there)."""
         if top > CHAIN_NODES:
             raise SpecGUIError(f"a chained draft keeps at most {CHAIN_NODES} ids a position, got {top}")
+        return self.tail(CHAIN * _width(top)).view(CHAIN, _width(top))
+
+    def tail(self, count: int) -> torch.Tensor | None:
+        """The readout's first `count` floats after the verify Tops, where a program leaves what the step's verdict
+        read brings along (a draft chain's Tops, Fractal's slot guesses; one user a step); None where they do not
+        fit."""
         start = BUCKETS[-1] * _width(VERIFY_TOP)
-        return self.readout[start : start + CHAIN * _width(top)].view(CHAIN, _width(top))
+        return self.readout[start : start + count] if start + count <= self.readout.numel() else None
 
 
     def chain(self, skip: SkipPlan, pending: int, start: int, limit: int, nodes: int = 1) -> torch.Tensor:
@@ -618,6 +655,13 @@ class BucketInputs:
             held.copy_(torch.where(ids >= 0, ids, held))
         return self.positions
 
+    def rows_of(self, start: int, count: int) -> BucketInputs:
+        """These inputs for rows [start, start + count) alone, as views (inside a program: Fractal's lower pass runs
+        the slot rows of its forward, seeing what they see there, writing their keys where the forward does)."""
+        rows = slice(start, start + count)
+        return BucketInputs(self.store, count, self.positions[:, rows], self.cos[:, rows], self.sin[:, rows],
+                            self.mask[:, :, :, rows], self.index[:, rows], self.live, self.origin)
+
     def advance(self, attended: torch.Tensor) -> None:
         """Inside a chained draft program (`StaticKVCache.chain`), one row's inputs moved on by a position: the next
         row sees the key this one wrote in every layer whose attention ran (`attended`, layer indices), and writes
@@ -761,11 +805,12 @@ class StaticPass(Pass):
         return program()
 
     def whole_forward(self, tokens: torch.Tensor | np.ndarray, skip: SkipPlan | None = None,
-                      observer: Observer | None = None, top: int = 0) -> torch.Tensor | None:
+                      observer: Observer | None = None, top: int = 0, hook: InProgram | None = None
+                      ) -> torch.Tensor | None:
         """The whole forward as one program: token ids [T] (host values, numpy or a tensor, or device values) -> last
         layer's output [1, T, H], or with `top` the packed `Top` [T, 3 top + 1] of its rows (the head inside the
-        program). An observer hears every state once the program has run, from copies (the output buffer is
-        reused)."""
+        program); a `hook` runs inside the program (`InProgram`). An observer hears every state once the program has
+        run, from copies (the output buffer is reused)."""
         if not self.bucketed:
             return None
         if isinstance(tokens, np.ndarray):  # host ids ride in the upload (a negative one keeps what was placed)
@@ -774,7 +819,7 @@ class StaticPass(Pass):
             self.store.place(0, tokens)
             self._load()
         t = self.length
-        program = self.store.forward_program(self.inputs, skip, record=observer is not None, top=top)
+        program = self.store.forward_program(self.inputs, skip, record=observer is not None, top=top, hook=hook)
         out = self.call(program)
         self._wrote(range(self.runner.num_layers), skip)
         if top:

@@ -519,7 +519,7 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
     that size their drafts run the paper's fixed schedule here: a method the cost model paused on this device
     would count plain steps only, not the drafting path the figures are about; and drafts score the whole vocabulary,
     as on a GPU (a draft vocabulary is a CPU preset, whose head runs outside the programs)."""
-    from specgui import compiled, dispatch, methods
+    from specgui import compiled
 
     opts = ctx.opts
     lm = ctx.model(EMBEDDED, "float32") if not opts.quick else ctx.model(opts.bench_model, opts.dtype)
@@ -527,18 +527,7 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
     tokens = 8 if opts.quick else 48
     rows, found, targets = [], {}, []
     for method in opts.methods:
-        fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
-        gpu_like = {"policy": "fixed", "draft_vocab": 0}  # as drafts run on a GPU (a draft vocabulary is a CPU preset)
-        run = functools.partial(decode.run, lm, method=method, fast_path="on",
-                                params={k: v for k, v in gpu_like.items() if k in fields} or None)
-        run(prompts[0], max_new_tokens=8)  # warm-up: programs made, setup done
-        with dispatch.counting() as counts:
-            for ids in prompts:
-                result = run(ids, max_new_tokens=tokens)
-                counts.tokens += len(result.token_ids)
-                counts.steps += len(result.steps)
-        found[method] = counts.summary()
-        f = found[method]
+        found[method] = f = dispatch_counts(lm, method, prompts, tokens)
         rows.append([method, f["passes"], f["programs_per_pass_max"], round(f["programs_per_pass_mean"], 2),
                      round(f["syncs_per_token"], 2), round(f["eager_ops_per_step"], 1),
                      ", ".join(f"{k} {v}" for k, v in sorted(f["reads"].items()))])
@@ -569,6 +558,24 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
     return table(["method", "passes", "programs/pass max", "programs/pass mean", "host reads/token",
                   "eager ops/step", "reads by kind"], rows, targets, dispatch=found, compiled=figures,
                  note=f"{len(prompts)} prompts x {tokens} new tokens, fast path, greedy")
+
+
+def dispatch_counts(lm: LoadedModel, method: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """`dispatch.Counts.summary` of `method`'s runs of `tokens` new tokens from each of `prompts` on the fast path,
+    greedy, drafting as on a GPU (the fixed schedule, the whole vocabulary), after a warm-up run (programs made)."""
+    from specgui import dispatch
+
+    fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
+    gpu_like = {"policy": "fixed", "draft_vocab": 0}  # as drafts run on a GPU (a draft vocabulary is a CPU preset)
+    run = functools.partial(decode.run, lm, method=method, fast_path="on",
+                            params={k: v for k, v in gpu_like.items() if k in fields} or None)
+    run(prompts[0], max_new_tokens=8)
+    with dispatch.counting() as counts:
+        for ids in prompts:
+            result = run(ids, max_new_tokens=tokens)
+            counts.tokens += len(result.token_ids)
+            counts.steps += len(result.steps)
+    return counts.summary()
 
 
 def compiled_figures(lm: LoadedModel) -> dict[str, Any]:

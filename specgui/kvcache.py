@@ -42,6 +42,23 @@ def upload(target: torch.Tensor, values: np.ndarray | torch.Tensor) -> None:
     target.copy_(host, non_blocking=True)
 
 
+def read_together(parts: list[torch.Tensor]) -> list[float]:
+    """The values of `parts` (on one device) flattened, in one read of the device: one tensor read as it is; several
+    that lie in one buffer (the fast path's `readout`: a verify's Top and a draft chain's or Fractal's slot guesses)
+    as the span that covers them, the gaps dropped on the host; others joined first (one device operation, as
+    float32)."""
+    if len(parts) == 1:
+        return parts[0].reshape(-1).tolist()
+    first = parts[0]
+    if all(p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
+           and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts):
+        lo = min(p.storage_offset() for p in parts)
+        span = first.as_strided((max(p.storage_offset() + p.numel() for p in parts) - lo,), (1,), lo).tolist()
+        return [v for p in parts for v in span[p.storage_offset() - lo : p.storage_offset() - lo + p.numel()]]
+    device = first.device
+    return torch.cat([part.reshape(-1).to(device, torch.float32) for part in parts]).tolist()
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one forward's keys sit in one layer's key tensor, as attention reads it.

@@ -213,7 +213,8 @@ class Runner:
         `top` = k > 0 returns the head's verdict on those rows instead (`Top`: the k likeliest ids, their logits and
         probabilities, the top-two margin), what greedy decoding reads; on the fast path the forward's one program
         computes it after the last layer, so that the final norm, the head and the reductions run inside it (on a
-        GPU, captured with the layers instead of a launch each).
+        GPU, captured with the layers instead of a launch each), and a `pre_layer` hook that offers its work as a
+        program's (`in_program()`: `fastpath.InProgram`) runs inside the same program.
 
         A cache with `chunk_rows` (the fast path's) takes a causal forward over more tokens than that as
         consecutive chunks, each seeing the ones before through the cache: the same result, in the shapes
@@ -224,8 +225,9 @@ class Runner:
         chunk = getattr(cache, "chunk_rows", None)
         if chunk is None or len(tokens) <= chunk or visibility is not None or pre_layer is not None:
             step = self.new_pass(positions, cache, visibility)
-            if top and pre_layer is None and observer is None and vocab is None:
-                packed = step.whole_forward(tokens, skip, top=top)
+            if top and observer is None and vocab is None:
+                hook = None if pre_layer is None else getattr(pre_layer, "in_program", lambda: None)()
+                packed = step.whole_forward(tokens, skip, top=top, hook=hook) if hook or pre_layer is None else None
                 if packed is not None:
                     return Top(packed if logits_rows is None else _rows_of(packed, logits_rows), top)
             logits = self.logits(self._hidden(step, tokens, skip, observer, pre_layer), logits_rows, vocab)
@@ -421,10 +423,10 @@ class Pass:
         return h
 
     def whole_forward(self, tokens: torch.Tensor, skip: SkipPlan | None = None,
-                      observer: Observer | None = None, top: int = 0) -> torch.Tensor | None:
+                      observer: Observer | None = None, top: int = 0, hook: Any = None) -> torch.Tensor | None:
         """The last layer's output of the whole forward, `skip`'s sub-layers left out, `observer` told every state
-        (or, with `top`, the packed `Top` of every row), in one piece where this path has such a program (the fast
-        path's); None: the caller runs the sub-layers."""
+        (or, with `top`, the packed `Top` of every row, a `hook` run inside: `fastpath.InProgram`), in one piece where
+        this path has such a program (the fast path's); None: the caller runs the sub-layers."""
         return None
 
     def run_segment(self, h: torch.Tensor, layers: range, skip: SkipPlan | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specgui.draft import Draft, Rider
+from specgui.kvcache import read_together
 from specgui.runner import VERIFY_TOP, Top, top_of
 from specgui.sampling import Sampling, probabilities
 
@@ -58,7 +59,7 @@ def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generat
     parts += [rider.device.reshape(-1).float() for rider in riders]
     if before_read is not None:
         before_read()
-    values = _one_read(parts)
+    values = read_together(parts)
     end = len(values)
     for rider in reversed(riders):
         start = end - rider.device.numel()
@@ -79,22 +80,6 @@ def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generat
                               else _sample(logits, draft, children, sampling, generator))
     kept = [margins[draft.block_row(node)] for node in [-1, *path]]
     return Verdict(path, token, corrected, kept, extra_tokens)
-
-
-def _one_read(parts: list[torch.Tensor]) -> list[float]:
-    """The values of `parts` (float32, on one device) flattened, in one read of the device: one tensor read as it
-    is; several that lie in one buffer (the fast path's `readout`: a verify's Top and a draft chain's) as the span
-    that covers them, the gaps dropped on the host; others joined first (one device operation)."""
-    if len(parts) == 1:
-        return parts[0].reshape(-1).tolist()
-    first = parts[0]
-    if all(p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
-           and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts):
-        lo = min(p.storage_offset() for p in parts)
-        span = first.as_strided((max(p.storage_offset() + p.numel() for p in parts) - lo,), (1,), lo).tolist()
-        return [v for p in parts for v in span[p.storage_offset() - lo : p.storage_offset() - lo + p.numel()]]
-    device = first.device
-    return torch.cat([part.reshape(-1).to(device) for part in parts]).tolist()
 
 
 def _greedy(best: list[int], draft: Draft, children: dict[int, list[int]]) -> tuple[list[int], int, bool]:

@@ -7,8 +7,9 @@ what the methods search: 0/1 vectors over sub-layers.
 
   * `GaussianProcess`: Matern-5/2 kernel on the Euclidean distance between 0/1 vectors (the square root
     of their Hamming distance), targets standardised, a fixed noise term (`bayes_opt`'s alpha, 1e-2 in
-    both papers' code), solved by Cholesky in float64 with torch. The length scale is the one of a small
-    grid that maximises the marginal likelihood, refitted every `refit_every` observations (the package
+    both papers' code), solved by Cholesky in float64 with numpy (host work: on a GPU host it never touches the
+    device, and on a CPU `specgui.dispatch` does not count it as device work either). The length scale is the one
+    of a small grid that maximises the marginal likelihood, refitted every `refit_every` observations (the package
     fits it by L-BFGS every time). Past `max_points` observations it is fitted on the best half and the
     most recent half of them, so that a 1000-step search stays cheap.
   * `BayesOpt.suggest`: scores caller-supplied candidate vectors by UCB (mean + kappa x std) and returns
@@ -25,16 +26,15 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 LENGTH_GRID = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)  # times sqrt(d): from "a few flips matter" to "smooth"
 
 
-def matern52(a: torch.Tensor, b: torch.Tensor, length: float) -> torch.Tensor:
+def matern52(a: np.ndarray, b: np.ndarray, length: float) -> np.ndarray:
     """Matern-5/2 kernel matrix [len(a), len(b)] between rows of 0/1 (or real) vectors."""
-    r = torch.cdist(a, b) / length
+    r = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0)) / length
     s5 = math.sqrt(5.0) * r
-    return (1.0 + s5 + 5.0 / 3.0 * r * r) * torch.exp(-s5)
+    return (1.0 + s5 + 5.0 / 3.0 * r * r) * np.exp(-s5)
 
 
 class GaussianProcess:
@@ -45,30 +45,30 @@ class GaussianProcess:
         self.length: float | None = None
 
     def fit(self, x: np.ndarray, y: np.ndarray, *, choose_length: bool = True) -> None:
-        self.x = torch.as_tensor(x, dtype=torch.float64)
+        self.x = np.asarray(x, dtype=np.float64)
         self.mean, self.scale = float(y.mean()), float(y.std()) or 1.0
-        self.y = torch.as_tensor((y - self.mean) / self.scale, dtype=torch.float64)
+        self.y = np.asarray((y - self.mean) / self.scale, dtype=np.float64)
         if choose_length or self.length is None:
             base = math.sqrt(max(1, x.shape[1]))
             self.length = max((base * g for g in LENGTH_GRID), key=self._log_likelihood)
         self._factor(self.length)
 
     def _factor(self, length: float) -> None:
-        k = matern52(self.x, self.x, length) + self.noise * torch.eye(len(self.x), dtype=torch.float64)
-        self.chol = torch.linalg.cholesky(k)
-        self.alpha = torch.cholesky_solve(self.y[:, None], self.chol)[:, 0]
+        k = matern52(self.x, self.x, length) + self.noise * np.eye(len(self.x))
+        self.chol = np.linalg.cholesky(k)
+        self.alpha = np.linalg.solve(self.chol.T, np.linalg.solve(self.chol, self.y))
 
     def _log_likelihood(self, length: float) -> float:
         self._factor(length)
-        return float(-0.5 * self.y @ self.alpha - torch.log(torch.diagonal(self.chol)).sum())
+        return float(-0.5 * self.y @ self.alpha - np.log(np.diagonal(self.chol)).sum())
 
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation at rows of `x`, in the targets' own units."""
-        k = matern52(torch.as_tensor(x, dtype=torch.float64), self.x, self.length)
+        k = matern52(np.asarray(x, dtype=np.float64), self.x, self.length)
         mean = k @ self.alpha
-        v = torch.linalg.solve_triangular(self.chol, k.T, upper=False)
-        var = (1.0 - (v * v).sum(0)).clamp_min(1e-12)  # k(x, x) = 1 for this kernel
-        return (mean * self.scale + self.mean).numpy(), (var.sqrt() * self.scale).numpy()
+        v = np.linalg.solve(self.chol, k.T)
+        var = np.maximum(1.0 - (v * v).sum(0), 1e-12)  # k(x, x) = 1 for this kernel
+        return mean * self.scale + self.mean, np.sqrt(var) * self.scale
 
 
 class BayesOpt:

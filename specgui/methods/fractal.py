@@ -64,13 +64,13 @@ from specgui import fastpath
 from specgui.costs import DeviceClock, beside_forward_ms, interpolate
 from specgui.draft import Draft, Extras, Outcome, Rider
 from specgui.errors import SpecGUIError
-from specgui.kvcache import KVCache
+from specgui.kvcache import KVCache, read_together
 from specgui.methods.base import DecodeState, Drafter, register
 from specgui.methods.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.methods.pld import NgramIndex
 from specgui.methods.policy import SizedParams
 from specgui.params import param
-from specgui.runner import Pass, Runner
+from specgui.runner import VERIFY_TOP, Pass, Runner
 from specgui.sampling import Sampling
 from specgui.vocab import DraftVocab
 
@@ -205,6 +205,19 @@ class Splice:
         self.marks.append((start, guessed, self.plan.clock.mark()))
         return torch.cat([exact, y.to(h.device)], dim=1)
 
+    def in_program(self) -> SpliceProgram | None:
+        """The splice as its forward's program runs it (`fastpath.InProgram`, asked by `Runner.forward` when the fast
+        path would run the forward as one program): over the whole vocabulary, its guesses riding with the step's
+        read from the readout's tail; None elsewhere, where this hook runs between the forward's programs."""
+        state, plan = self.state, self.plan
+        if state is None or not state.static or self.reuse or self.vocab is not None:
+            return None
+        made = SpliceProgram.of(plan, self.cache, self.exact)
+        if made is not None:  # the forward runs it (a splice's rows are always within the buckets)
+            w = plan.window
+            self.riders = [state.ride(made.guesses[k * w : (k + 1) * w]) for k in range(len(plan.layers))]
+        return made
+
     def _kept(self, guesses: torch.Tensor) -> int:
         """How many leading slots this lower pass takes as they are at the layers below the previous fractal layer
         (at the first, below this one): those that hold the same tokens as then. A slot's row sees the prefix, the
@@ -242,7 +255,49 @@ class Splice:
     def settle(self, values: list[float]) -> None:
         """The guesses from a read made beside them (`Fractal._draft_forward`), in place of the riders'."""
         w = self.plan.window
-        self.read = [[int(v) for v in values[k * w : (k + 1) * w]] for k in range(len(self.guesses))]
+        self.read = [[int(v) for v in values[k * w : (k + 1) * w]] for k in range(len(values) // w)]
+
+
+@dataclass(frozen=True, eq=False)
+class SpliceProgram:
+    """`Splice` inside its forward's program (`fastpath.InProgram`): at each fractal layer the copy's upper layers over
+    every row of the forward, their keys written where the forward's own layers write theirs (and will, over them,
+    when it gets there: the upper pass sees the committed prefix and itself, as over a view); the copy's head's slot
+    guesses into `guesses` [n * w] (the readout's tail, read with the verdict); its lower layers over the slot rows
+    (the forward's own rows, seeing the exact rows' keys and writing the slots' over their stale ones); the slot rows
+    replaced. The forward is one program: no upload, launch or read between its layers."""
+
+    plan: Plan
+    exact: int
+    guesses: torch.Tensor
+
+    @classmethod
+    def of(cls, plan: Plan, cache: KVCache, exact: int) -> SpliceProgram | None:
+        """The splice of forwards with `exact` rows over `cache` (the fast path's); None where its guesses do not
+        fit."""
+        region = cache.tail(len(plan.layers) * plan.window) if isinstance(cache, fastpath.StaticKVCache) else None
+        return None if region is None else cls(plan, exact, region)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return id(self.plan.compressed), self.plan.layers, self.plan.window, self.exact
+
+    @property
+    def layers(self) -> frozenset[int]:
+        return frozenset(self.plan.layers)
+
+    @property
+    def rows(self) -> int:
+        return self.exact + self.plan.window
+
+    def inside(self, layer: int, h: torch.Tensor, run: fastpath.RunLayers) -> torch.Tensor:
+        comp, w, exact = self.plan.compressed, self.plan.window, self.exact
+        x = run(h, range(layer, self.plan.runner.num_layers), comp.layers, None)
+        guesses = comp.logits(x[0, exact - 1 : exact - 1 + w]).argmax(-1)  # the anchor's and slots 1..w-1's rows
+        k = self.plan.layers.index(layer)
+        self.guesses[k * w : (k + 1) * w].copy_(guesses)
+        y = run(comp.embed(guesses.view(1, -1)), range(layer), comp.layers, (exact, w))
+        return torch.cat([h[:, :exact], y.to(h.dtype), h[:, exact + w :]], dim=1)
 
 
 def per_token_acceptance(accepted: float, drafted: int) -> float:
@@ -324,6 +379,10 @@ class Fractal(Drafter):
         self.pass_ms = [[state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}.ctx{context}{vocab}",
                                                  lambda r=rows, c=context: self._pass_ms(state, r, c, priced))
                          if state.profile else 1.0 for rows in self.pass_rows] for context in self.pass_contexts]
+        if state.static and not self.params.draft_vocab:  # the spliced forwards' programs, made untimed: every
+            # count of exact rows a forward can carry (a restart's one, up to a verify's pending token + w + 1)
+            made = [SpliceProgram.of(self.plan, state.cache, exact) for exact in range(1, w + 3)]
+            fastpath.warm_up(state.cache, hooks=[hook for hook in made if hook is not None])
 
     def begin(self, state: DecodeState) -> None:
         self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
@@ -461,14 +520,16 @@ class Fractal(Drafter):
         splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c, state=state, vocab=self.vocab,
                         held=held)
         tokens = np.array([state.pending, *held])
-        logits = self.runner.forward(tokens, np.arange(c, c + 1 + w), state.cache, pre_layer=splice)
+        top = self.runner.forward(tokens, np.arange(c, c + 1 + w), state.cache, pre_layer=splice, top=VERIFY_TOP)
         state.cache.crop(c)
         self.splices.append(splice)
         del state.riders[riders:]  # read here, with the forward's own verdict: the draft is needed now
-        # one read: [1 + w] the target's own next token, then each slot's prediction; then the guesses
-        values = torch.cat([logits.argmax(-1), *splice.guesses]).tolist()
-        best = values[: 1 + w]
-        splice.settle(values[1 + w :])
+        # one read: per row [1 + w] the head's verdict (the target's own next token, then each slot's prediction);
+        # then the guesses (on the fast path one span of the readout)
+        width = top.packed.shape[1]
+        values = read_together([top.packed, *(rider.device for rider in splice.riders)])
+        best = [int(values[r * width]) for r in range(1 + w)]
+        splice.settle(values[(1 + w) * width :])
         slots = splice.slot_tokens()
         tokens = [best[0], *consistent_chain(best[0], slots[-1], best[1:])]
         return tokens, self._origins(tokens, 1, slots)
@@ -503,7 +564,7 @@ class Fractal(Drafter):
         return origins(tokens, offset, slot_tokens, list(self.plan.layers), self.runner.num_layers)
 
     def _times(self) -> dict[str, Any]:
-        if not self.splices:
+        if not any(splice.marks for splice in self.splices):  # none, or inside programs: no split to time
             return {}
         upper = lower = target = 0.0
         passes = reused = 0
