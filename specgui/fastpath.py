@@ -23,11 +23,14 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
   * `Program`: a function of one static input buffer at one bucket size, returning its own output buffer.
     On CUDA it is captured as a CUDA graph and replayed; elsewhere it is the same function called on the
     same buffers, so a test on a CPU checks everything but the capture itself. A pass runs as one program:
-      - forward: a stretch of layers (the whole model from the embedding, for a forward; one layer, for a
-        CLaSp DP unit) with a skip plan's sub-layers left out and, where the pass is observed, every
-        sub-layer's state recorded into the output (`StaticKVCache.forward_program`). The plain forward's
-        programs are made at warm-up (`warm_up`); a skip plan's when a method adopts it (`adopt`), a bounded
-        number of plans kept (`PLANS`), so that a capture is never taken inside a step that is timed;
+      - forward: a stretch of layers (the whole model from the embedding, for a forward; a piece of one, for what
+        runs piecewise) with a skip plan's sub-layers left out and, where the pass is observed, every sub-layer's
+        state recorded into the output, or a pre-layer hook's work inside it (Fractal's splice: `InProgram`)
+        (`StaticKVCache.forward_program`). The plain forward's programs are made at warm-up (`warm_up`); a skip
+        plan's when a method adopts it (`adopt`), a bounded number of plans kept (`PLANS`), a method's own at its
+        setup, so that a capture is never taken inside a step that is timed;
+      - rows: a function over a bucket of rows that runs many layers' sub-layers on them (CLaSp's whole search:
+        `StaticPass.rows_program`);
       - sub-layer: one attention or MLP sub-layer, for what still runs piecewise (the cost model's per-sub-layer
         prices, a pass whose observer or hook sits between sub-layers).
     Every program owns its output buffer, allocated before capture outside the graphs' shared memory pool: a
