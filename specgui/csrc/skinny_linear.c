@@ -280,9 +280,9 @@ static const int WIDTH[TILE_ROWS + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
    one-row products).
    Measured on an Intel Xeon (AVX-512 machine, AVX2 build): with 8 x 1 or 12 x 1 tiles, then 8 x 1 twice for 16 rows,
    against groups (one thread, weights in L2, vector multiply-adds a second): 96 x 1536 weights 3.5 -> 4.1 G at
-   8 rows, 2.7-2.8 -> 4.1-4.4 at 12, 3.6 -> 4.2-4.4 at 16. Groups of 6 x 2 instead of 4 x 3: slower (every product
-   of a 16-row forward's shapes from memory, one thread, 2.2 -> 2.3 ms in all); passes of 4 or 6 rows over the block
-   instead of groups: a 16-row forward's products 80 -> 99 and 87 ms. No tile shape that fits 16 registers passes
+   8 rows, 2.7-2.8 -> 4.1-4.4 at 12, 3.6 -> 4.2-4.4 at 16. Groups of 6 x 2 instead of 4 x 3: slower (1536 x 576 and
+   576 x 1536 weights from memory at 8, 12 and 16 rows, one thread: 2.2 against 2.3 ms in all); passes of 4 or 6
+   rows over the block instead of groups: a 16-row forward's products 80 -> 99 and 87 ms. No tile shape that fits 16 registers passes
    ~5.3 G a second on that CPU (4 x 3, 6 x 2, 3 x 4 holding the inputs, in L1), where multiply-adds alone reach 8.8:
    16 rows are bound by arithmetic, ~4.5 G a thread with the weights in L2, less from memory (below). The same
    groups for AVX-512 (8 x 3, from 13 rows on) were slower than its passes of tiles: 96 x 576 at 16 rows
@@ -373,7 +373,7 @@ struct span {
 /* The width of a piece of the input rows (`GROUPED`): the whole vector part kv in as few equal pieces (whole
    vectors) as keep M rows of it within half of L1 (the other half for the weight rows' piece and what streams
    through: an AMD EPYC's 32 KB L1 holds 8 rows of 512 floats). Half of Intel's 48 KB, 24 KB, measured 2-5% faster
-   than 16 KB there (the Intel Xeon above). */
+   than 16 KB there (the Intel Xeon above), and 1-2% faster than the whole width (36 KB at 16 rows of 576). */
 static long half_l1; /* bytes, set by `run` before its threads start (sysconf; 32 KB where it does not say) */
 static long input_piece(long M, long kv) {
     long most = half_l1 / (long)sizeof(float) / M / LANES * LANES;
