@@ -226,27 +226,41 @@ static inline float one_load_bf16(unsigned short w) {
    vector fit the registers (R dividing BLOCK): WIDE_* names them, NARROW_* the one-weight-row tiles for a block's
    leftover rows. AVX-512 has 32 registers: 8 rows x 3 weight rows take 28 of them, where AVX2's 16 allow 8 x 1,
    which loads an input vector for every multiply-add; AVX2 therefore takes fp32 products of 7 rows or more in
-   groups instead (`GROUPED`). */
+   groups instead (`GROUPED`), and its fp32 tables stop at 6 rows. A weight type's tables run to the most rows it
+   takes in tiles (`KERNELS`' TILED: 6 or 12), each table's names listed by `*_NAMES_6` or `*_NAMES_12`. */
 #define TILE_ROWS 12
+#define ALL_TILES TILE_ROWS, TILE_ROWS, NO_GROUPS /* KERNELS' passes: every pass in tiles */
+#define NARROW_6(T, LOAD)                                                                                        \
+    TILE(T, LOAD, 1, 1) TILE(T, LOAD, 2, 1) TILE(T, LOAD, 3, 1) TILE(T, LOAD, 4, 1) TILE(T, LOAD, 5, 1)          \
+    TILE(T, LOAD, 6, 1)
+#define NARROW_12(T, LOAD)                                                                                       \
+    NARROW_6(T, LOAD) TILE(T, LOAD, 7, 1) TILE(T, LOAD, 8, 1) TILE(T, LOAD, 9, 1) TILE(T, LOAD, 10, 1)           \
+    TILE(T, LOAD, 11, 1) TILE(T, LOAD, 12, 1)
+#define NARROW_NAMES_6(LOAD)                                                                                     \
+    tile_##LOAD##_1_1, tile_##LOAD##_2_1, tile_##LOAD##_3_1, tile_##LOAD##_4_1, tile_##LOAD##_5_1, tile_##LOAD##_6_1
+#define NARROW_NAMES_12(LOAD)                                                                                    \
+    NARROW_NAMES_6(LOAD), tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,           \
+        tile_##LOAD##_11_1, tile_##LOAD##_12_1
 #ifdef __AVX512F__
 #define WIDE_TILES(T, LOAD)                                                                                      \
     TILE(T, LOAD, 1, 8) TILE(T, LOAD, 2, 8) TILE(T, LOAD, 3, 6) TILE(T, LOAD, 4, 6) TILE(T, LOAD, 5, 4)          \
     TILE(T, LOAD, 6, 4) TILE(T, LOAD, 7, 3) TILE(T, LOAD, 8, 3) TILE(T, LOAD, 9, 3) TILE(T, LOAD, 10, 2)         \
-    TILE(T, LOAD, 11, 2) TILE(T, LOAD, 12, 2)                                                                    \
-    static const tile_##LOAD WIDE_##LOAD[TILE_ROWS + 1] = {                                                      \
-        0, tile_##LOAD##_1_8, tile_##LOAD##_2_8, tile_##LOAD##_3_6, tile_##LOAD##_4_6, tile_##LOAD##_5_4,        \
-        tile_##LOAD##_6_4, tile_##LOAD##_7_3, tile_##LOAD##_8_3, tile_##LOAD##_9_3, tile_##LOAD##_10_2,         \
-        tile_##LOAD##_11_2, tile_##LOAD##_12_2};
+    TILE(T, LOAD, 11, 2) TILE(T, LOAD, 12, 2)
+#define WIDE_NAMES_12(LOAD)                                                                                      \
+    tile_##LOAD##_1_8, tile_##LOAD##_2_8, tile_##LOAD##_3_6, tile_##LOAD##_4_6, tile_##LOAD##_5_4,               \
+        tile_##LOAD##_6_4, tile_##LOAD##_7_3, tile_##LOAD##_8_3, tile_##LOAD##_9_3, tile_##LOAD##_10_2,          \
+        tile_##LOAD##_11_2, tile_##LOAD##_12_2
 static const int WIDTH[TILE_ROWS + 1] = {0, 8, 8, 6, 6, 4, 4, 3, 3, 3, 2, 2, 2};
-#define F32_PASSES TILE_ROWS, TILE_ROWS, NO_GROUPS /* every pass in tiles */
+#define F32_PASSES ALL_TILES
 #else
 #define WIDE_TILES(T, LOAD)                                                                                      \
     TILE(T, LOAD, 1, 8) TILE(T, LOAD, 2, 4) TILE(T, LOAD, 3, 3) TILE(T, LOAD, 4, 3) TILE(T, LOAD, 5, 2)          \
-    TILE(T, LOAD, 6, 2)                                                                                          \
-    static const tile_##LOAD WIDE_##LOAD[TILE_ROWS + 1] = {                                                      \
-        0, tile_##LOAD##_1_8, tile_##LOAD##_2_4, tile_##LOAD##_3_3, tile_##LOAD##_4_3, tile_##LOAD##_5_2,        \
-        tile_##LOAD##_6_2, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
-        tile_##LOAD##_11_1, tile_##LOAD##_12_1};
+    TILE(T, LOAD, 6, 2)
+#define WIDE_NAMES_6(LOAD)                                                                                       \
+    tile_##LOAD##_1_8, tile_##LOAD##_2_4, tile_##LOAD##_3_3, tile_##LOAD##_4_3, tile_##LOAD##_5_2, tile_##LOAD##_6_2
+#define WIDE_NAMES_12(LOAD)                                                                                      \
+    WIDE_NAMES_6(LOAD), tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,             \
+        tile_##LOAD##_11_1, tile_##LOAD##_12_1
 static const int WIDTH[TILE_ROWS + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
 /* fp32: tiles up to 6 rows, groups in passes of up to 32 rows from 7 on (a verify of up to 32 rows reads each weight
    from memory once, where passes of at most 12 rows in 8 x 1 or 12 x 1 tiles read them again from 13 rows on) */
@@ -258,36 +272,57 @@ static const int WIDTH[TILE_ROWS + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
 /* AVX2 from 7 input rows on: a tile of 3 weight rows takes the rows in groups of at most GROUP_ROWS (as even as
    they go: 8 as 4 + 4, 7 as 4 + 3), each group a 4 x 3 register tile at most (12 accumulators, 3 weight vectors
    and one input vector: the 16 registers), one group after another over a piece of the input width, the
-   accumulators kept in memory between pieces; the weight rows' piece is read from memory by the first group and
-   from L1 by the others. A piece is as wide as lets all the tile's input rows fill half of L1 (`input_piece`), so
-   inputs are read from L1, not L2, however wide the rows (the down product's 1536) and however many (up to
-   32). Every output's lanes still add its k in order, piece after piece: the same sums as a tile over the
-   whole width, bit for bit, so the numbers are those of the tiles before (tested against one-row products).
-   Measured on an Intel Xeon (AVX-512 machine, AVX2 build, one thread, weights in L2, vector multiply-adds a
-   second, builds alternating): with 8 x 1 or 12 x 1 tiles, then 8 x 1 twice for 16 rows, against groups:
-   96 x 1536 weights 3.5 -> 4.1 G at 8 rows, 2.7-2.8 -> 4.1-4.4 at 12, 3.6 -> 4.2-4.4 at 16; 96 x 576 (the
-   inputs fit its 48 KB L1 either way) 3.6 -> 3.5-3.8, 4.0 -> 3.8, 3.8 -> 3.7-3.9. Groups of 6 x 2 instead of
-   4 x 3: 0.1-0.4 G slower everywhere; held or folded weight loads, prefetching into L1, prefetching from the
-   first group only: no gain. Whole forwards of the embedded model at a 128-token context (same machine, one thread,
-   CPU time, least of 10-12, the two builds alternating in one process), against one row, in two runs: 8 rows
-   1.23x -> 1.25x and 1.19x -> 1.21x, 12 rows 1.64x -> 1.59x and 1.49x -> 1.51x, 16 rows 2.20x -> 2.06x and
-   1.97x -> 1.94x: on this CPU, whose 48 KB L1 holds 8 input rows of 576 floats anyway, within noise; past ~8 rows
-   its forward is bound by the multiply-adds (~4.2 G a second of ~5.8 at peak), which no tile shape removes. The
-   gain is in the wide products, and is expected to be larger on a 32 KB L1 (AMD EPYC), not measured here. The same
+   accumulators kept in memory between pieces and reduced by the last piece's call, 8 at a time (`hsums`, each in
+   `hsum`'s order); the weight rows' piece is read from memory by the first group and from L1 by the others. A
+   piece is as wide as lets all the tile's input rows fill half of L1 (`input_piece`), so inputs are read from L1,
+   not L2, however wide the rows (the down product's 1536) and however many (up to 32). Every output's lanes still
+   add its k in order, piece after piece: the same sums as a tile over the whole width, bit for bit (tested against
+   one-row products).
+   Measured on an Intel Xeon (AVX-512 machine, AVX2 build): with 8 x 1 or 12 x 1 tiles, then 8 x 1 twice for 16 rows,
+   against groups (one thread, weights in L2, vector multiply-adds a second): 96 x 1536 weights 3.5 -> 4.1 G at
+   8 rows, 2.7-2.8 -> 4.1-4.4 at 12, 3.6 -> 4.2-4.4 at 16. Groups of 6 x 2 instead of 4 x 3: slower (1536 x 576 and
+   576 x 1536 weights from memory at 8, 12 and 16 rows, one thread: 2.2 against 2.3 ms in all); passes of 4 or 6
+   rows over the block instead of groups: a 16-row forward's products 80 -> 99 and 87 ms. No tile shape that fits 16 registers passes
+   ~5.3 G a second on that CPU (4 x 3, 6 x 2, 3 x 4 holding the inputs, in L1), where multiply-adds alone reach 8.8:
+   16 rows are bound by arithmetic, ~4.5 G a thread with the weights in L2, less from memory (below). The same
    groups for AVX-512 (8 x 3, from 13 rows on) were slower than its passes of tiles: 96 x 576 at 16 rows
-   3.4 -> 2.7 G, so AVX-512 keeps them. */
+   3.4 -> 2.7 G, so AVX-512 keeps them.
+   Prefetching: the weight rows two tiles ahead, into L2, each 64-byte line once a tile, not a prefetch a step: a
+   line a step (one thread, every product of a forward, medians of 7) cost 82.9 against 76.6 ms at 16 rows, 53.5
+   against 47.8 at 8. With three groups or more, group g fetches the lines j with j % groups == g; with two, both
+   fetch every line. On the same machine, 1536 x 576 weights from memory (one thread, least of 5): 16 rows 0.47 ms
+   with every group fetching every line, 0.43 with each line fetched once; 8 rows 0.28 against 0.34, the other way;
+   whole 16-row forwards at a 128-token context (two threads, least of 12, builds alternating): 44.3 -> 39.2 ms,
+   12 rows 34.0 -> 30.7, one row 22.7 -> 22.5. Prefetching further ahead (1-16 tiles), into L1, a line in two or
+   four, in address order rather than row by row, in bursts at a group's start, or copying the tile's piece into a
+   buffer first: none faster. */
 #define GROUP_ROWS 4
 #define GROUPED_ROWS 32 /* the most input rows of a grouped pass (`F32_PASSES`) */
+#define LINE_FLOATS (64 / (long)sizeof(float))
+/* What one group's call covers: the vector part [k0, k1) of the input width K (kv its vector part: the call whose
+   k1 is kv reduces), the accumulators' row stride lda, the output's ldy, and the lines it prefetches: those j with
+   j % every == phase */
+struct span {
+    long K, kv, k0, k1, lda, ldy, phase, every;
+};
 #define GROUP(T, LOAD, M, R)                                                                             \
-    static void group_##LOAD##_##M##_##R(const float *x, const T *w, vec *acc, long K, long lda, long k0,  \
-                                         long k1) {                                                      \
+    static void group_##LOAD##_##M##_##R(const float *x, const T *w, vec *acc, float *y,                \
+                                         const struct span *s) {                                         \
+        long K = s->K, k1 = s->k1, every = s->every, line = (s->k0 + LINE_FLOATS - 1) / LINE_FLOATS;     \
+        long fetch = (line + ((s->phase - line) % every + every) % every) * LINE_FLOATS; /* its next */  \
         vec a[R][M];                                                                                     \
-        for (int r = 0; r < R; r++)                                                                      \
-            for (int m = 0; m < M; m++) a[r][m] = acc[r * lda + m];                                      \
-        for (long k = k0; k < k1; k += LANES) {                                                          \
+        if (s->k0 == 0)                                                                                  \
+            for (int r = 0; r < R; r++)                                                                  \
+                for (int m = 0; m < M; m++) a[r][m] = vzero();                                           \
+        else                                                                                             \
+            for (int r = 0; r < R; r++)                                                                  \
+                for (int m = 0; m < M; m++) a[r][m] = acc[r * s->lda + m];                               \
+        for (long k = s->k0; k < k1; k += LANES) {                                                       \
+            int ahead = k == fetch;                                                                      \
+            fetch += ahead ? LINE_FLOATS * every : 0;                                                    \
             vec wv[R];                                                                                   \
             for (int r = 0; r < R; r++) {                                                                \
-                _mm_prefetch((const char *)(w + (r + 2 * R) * K + k), _MM_HINT_T1);                       \
+                if (ahead) _mm_prefetch((const char *)(w + (r + 2 * R) * K + k), _MM_HINT_T2);           \
                 wv[r] = LOAD(w + r * K + k);                                                             \
                 __asm__("" : "+v"(wv[r])); /* one load a step: see above `TILE` */                        \
             }                                                                                            \
@@ -297,36 +332,48 @@ static const int WIDTH[TILE_ROWS + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
                 for (int r = 0; r < R; r++) a[r][m] = vfma(wv[r], xv, a[r][m]);                          \
             }                                                                                            \
         }                                                                                                \
+        if (k1 < s->kv) {                                                                                \
+            for (int r = 0; r < R; r++)                                                                  \
+                for (int m = 0; m < M; m++) acc[r * s->lda + m] = a[r][m];                               \
+            return;                                                                                      \
+        }                                                                                                \
+        enum { SUMS = (R * M + LANES - 1) / LANES * LANES };                                             \
+        vec v[SUMS];                                                                                     \
+        float sums[SUMS];                                                                                \
+        for (int i = 0; i < SUMS; i++) v[i] = i < R * M ? a[i / M][i % M] : vzero();                     \
+        for (int i = 0; i < SUMS; i += LANES) vstore(sums + i, hsums(v + i));                            \
         for (int r = 0; r < R; r++)                                                                      \
-            for (int m = 0; m < M; m++) acc[r * lda + m] = a[r][m];                                      \
+            for (int m = 0; m < M; m++) {                                                                \
+                float sum = sums[r * M + m];                                                             \
+                for (long k = s->kv; k < K; k++) sum += x[m * K + k] * one_##LOAD(w[r * K + k]);        \
+                y[m * s->ldy + r] = sum;                                                                 \
+            }                                                                                            \
     }
 /* R weight rows (3, or 1 for a block's leftover rows) times M input rows (6 < M <= GROUPED_ROWS) */
 #define GROUPED(T, LOAD, R)                                                                              \
     GROUP(T, LOAD, 1, R) GROUP(T, LOAD, 2, R) GROUP(T, LOAD, 3, R) GROUP(T, LOAD, 4, R)                  \
-    static void (*const GROUPS_##LOAD##_##R[GROUP_ROWS + 1])(const float *, const T *, vec *, long, long, long, \
-                                                              long) = {                                  \
+    static void (*const GROUPS_##LOAD##_##R[GROUP_ROWS + 1])(const float *, const T *, vec *, float *,  \
+                                                              const struct span *) = {                   \
         0, group_##LOAD##_1_##R, group_##LOAD##_2_##R, group_##LOAD##_3_##R, group_##LOAD##_4_##R};     \
     static void grouped_##LOAD##_##R(const float *x, const T *w, float *y, long M, long K, long ldy, long kv) { \
         vec acc[R * GROUPED_ROWS];                                                                       \
-        for (long i = 0; i < R * M; i++) acc[i] = vzero();                                               \
         long piece = input_piece(M, kv), groups = (M + GROUP_ROWS - 1) / GROUP_ROWS;                      \
         long size = (M + groups - 1) / groups;                                                           \
-        for (long k0 = 0; k0 < kv; k0 += piece)                                                          \
-            for (long m0 = 0; m0 < M; m0 += size)                                                        \
-                GROUPS_##LOAD##_##R[M - m0 < size ? M - m0 : size](x + m0 * K, w, acc + m0, K, M, k0,       \
-                                                                   k0 + piece < kv ? k0 + piece : kv);   \
-        for (int r = 0; r < R; r++)                                                                      \
-            for (long m = 0; m < M; m++) {                                                               \
-                float s = hsum(acc[r * M + m]);                                                          \
-                for (long k = kv; k < K; k++) s += x[m * K + k] * one_##LOAD(w[r * K + k]);            \
-                y[m * ldy + r] = s;                                                                      \
+        struct span s = {K, kv, 0, 0, M, ldy, 0, groups > 2 ? groups : 1};                               \
+        do { /* at least once: a row narrower than a vector is all tail */                               \
+            s.k1 = s.k0 + piece < kv ? s.k0 + piece : kv;                                                \
+            for (long m0 = 0; m0 < M; m0 += size) {                                                      \
+                s.phase = groups > 2 ? m0 / size : 0;                                                    \
+                GROUPS_##LOAD##_##R[M - m0 < size ? M - m0 : size](x + m0 * K, w, acc + m0, y + m0 * ldy, &s); \
             }                                                                                            \
+            s.k0 = s.k1;                                                                                 \
+        } while (s.k0 < kv);                                                                             \
     }
 
 /* The width of a piece of the input rows (`GROUPED`): the whole vector part kv in as few equal pieces (whole
    vectors) as keep M rows of it within half of L1 (the other half for the weight rows' piece and what streams
    through: an AMD EPYC's 32 KB L1 holds 8 rows of 512 floats). Half of Intel's 48 KB, 24 KB, measured 2-5% faster
-   than 16 KB there (the Intel Xeon above). */
+   than 16 KB there (the Intel Xeon above), and 1-2% faster than the whole width (36 KB at 16 rows of 576). */
 static long half_l1; /* bytes, set by `run` before its threads start (sysconf; 32 KB where it does not say) */
 static long input_piece(long M, long kv) {
     long most = half_l1 / (long)sizeof(float) / M / LANES * LANES;
@@ -339,15 +386,11 @@ static long input_piece(long M, long kv) {
 /* The tiles and the block of a weight type: products of TILED input rows or fewer in tiles, of more in GROUPS (a
    pass macro), in passes of at most PASS rows */
 #define KERNELS(T, LOAD, TILED, PASS, GROUPS)                                                                    \
-    TILE(T, LOAD, 1, 1) TILE(T, LOAD, 2, 1) TILE(T, LOAD, 3, 1) TILE(T, LOAD, 4, 1) TILE(T, LOAD, 5, 1)          \
-    TILE(T, LOAD, 6, 1) TILE(T, LOAD, 7, 1) TILE(T, LOAD, 8, 1) TILE(T, LOAD, 9, 1) TILE(T, LOAD, 10, 1)         \
-    TILE(T, LOAD, 11, 1) TILE(T, LOAD, 12, 1)                                                                    \
+    NARROW_##TILED(T, LOAD)                                                                                      \
     typedef void (*tile_##LOAD)(const float *, const T *, float *, long, long, long);                          \
     WIDE_TILES(T, LOAD)                                                                                          \
-    static const tile_##LOAD NARROW_##LOAD[TILE_ROWS + 1] = {                                                    \
-        0, tile_##LOAD##_1_1, tile_##LOAD##_2_1, tile_##LOAD##_3_1, tile_##LOAD##_4_1, tile_##LOAD##_5_1,        \
-        tile_##LOAD##_6_1, tile_##LOAD##_7_1, tile_##LOAD##_8_1, tile_##LOAD##_9_1, tile_##LOAD##_10_1,          \
-        tile_##LOAD##_11_1, tile_##LOAD##_12_1};                                                                 \
+    static const tile_##LOAD WIDE_##LOAD[TILED + 1] = {0, WIDE_NAMES_##TILED(LOAD)};                            \
+    static const tile_##LOAD NARROW_##LOAD[TILED + 1] = {0, NARROW_NAMES_##TILED(LOAD)};                        \
     /* Rows [n0, n1) of the output for all M input rows, in the fewest passes of at most PASS input rows, as     \
        even as they go: 13 rows as 7 + 6, not 12 + 1 (all the products of a forward, AMD EPYC, two threads,      \
        AVX-512: 35.8 ms as 12 + 1, 32.8 as 7 + 6, 31.5 for 12 rows); a pass of `narrow` input rows or fewer in   \
@@ -369,7 +412,7 @@ static long input_piece(long M, long kv) {
             for (; n < n1; n++) NARROW_##LOAD[m](xm, w + n * K, ym + n, K, ldy, kv);                            \
         }                                                                                                        \
     }
-#define KERNELS_OF(...) KERNELS(__VA_ARGS__) /* F32_PASSES expanded into its three arguments first */
+#define KERNELS_OF(...) KERNELS(__VA_ARGS__) /* the passes' macro expanded into its three arguments first */
 
 #ifndef __AVX512F__
 GROUPED(float, load_f32, 3)
@@ -385,8 +428,8 @@ KERNELS_OF(float, load_f32, F32_PASSES)
 /* bf16 and int8 weights keep AVX2's tiles and passes of 12: their groups widened each weight vector once a group
    instead of once a tile, and all the products of a forward (Intel Xeon, AVX2 build, one thread, least of 5) cost
    more at 8 and 12 rows: bf16 40.9 -> 43.4 ms and 56.2 -> 60.4, int8 35.3 -> 38.5 and 54.2 -> 57.0. */
-KERNELS(signed char, load_i8, TILE_ROWS, TILE_ROWS, NO_GROUPS)
-KERNELS(unsigned short, load_bf16, TILE_ROWS, TILE_ROWS, NO_GROUPS)
+KERNELS_OF(signed char, load_i8, ALL_TILES)
+KERNELS_OF(unsigned short, load_bf16, ALL_TILES)
 
 /* Blocks of 24, 48 or 96 weight rows (every tile width divides them): the largest that still gives each thread
    four blocks, so that a 192-row projection splits evenly over two threads. */
