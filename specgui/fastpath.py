@@ -51,7 +51,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -331,7 +331,7 @@ class StaticKVCache(KVCache):
 
             example = torch.zeros(1, inputs.rows, self.runner.config.hidden_size, dtype=self.runner.dtype,
                                   device=self.runner.device)
-            self.programs[key] = Program(run, example, self, getattr(block, "capturable", True))
+            self.programs[key] = Program(run, example, self, _capturable([block]))
         return self.programs[key]
 
     def forward_program(self, inputs: BucketInputs, skip: SkipPlan | None = None, layers: range | None = None,
@@ -388,7 +388,7 @@ class StaticKVCache(KVCache):
             hidden = (1, inputs.rows, runner.config.hidden_size)
             example = (self.tokens[:, : inputs.rows] if embeds
                        else torch.zeros(hidden, dtype=runner.dtype, device=runner.device))
-            capturable = all(getattr(blocks[layer], "capturable", True) for layer in layers)
+            capturable = _capturable(blocks[layer] for layer in layers)
             verifies = embeds and top == VERIFY_TOP and skip is None and modules is None and not record
             self.programs[key] = Program(run, example, self, capturable, shared=embeds,
                                          output=self.verify_top(inputs.rows) if verifies else None)
@@ -412,7 +412,6 @@ class StaticKVCache(KVCache):
         fit."""
         start = BUCKETS[-1] * _width(VERIFY_TOP)
         return self.readout[start : start + count] if start + count <= self.readout.numel() else None
-
 
     def chain(self, skip: SkipPlan, pending: int, start: int, limit: int, nodes: int = 1) -> torch.Tensor:
         """A layer-skip draft of `limit` tokens from `pending`, the host out of the loop: one load of the one-row
@@ -457,8 +456,8 @@ class StaticKVCache(KVCache):
                 inputs.advance(attended)
                 return packed
 
-            capturable = all(getattr(layer, "capturable", True) for layer in self.runner.layers)
-            self.programs[key] = Program(run, forward.input, self, capturable, read=False, shared=True)
+            self.programs[key] = Program(run, forward.input, self, _capturable(self.runner.layers), read=False,
+                                         shared=True)
         return self.programs[key], ring
 
     def made(self, key: Any, rows: int) -> bool:
@@ -476,8 +475,7 @@ class StaticKVCache(KVCache):
             def run_rows(h: torch.Tensor, layer: int, kinds: tuple[int, ...]) -> torch.Tensor:
                 return self.units(runner.layers[layer], layer, kinds, h[None], inputs)[0]
 
-            capturable = all(getattr(layer, "capturable", True) for layer in runner.layers)
-            self.programs[full] = Program(lambda x: fn(x, run_rows), example, self, capturable)
+            self.programs[full] = Program(lambda x: fn(x, run_rows), example, self, _capturable(runner.layers))
         return self.programs[full]
 
     def place(self, row: int, ids: torch.Tensor) -> None:
@@ -679,6 +677,11 @@ class BucketInputs:
         cos, sin = self.store.runner.rotary(self.cos, self.positions)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
+
+
+def _capturable(blocks: Iterable[nn.Module]) -> bool:
+    """Whether a CUDA graph can hold a program running these layers (a stand-in says so by its `capturable`)."""
+    return all(getattr(block, "capturable", True) for block in blocks)
 
 
 def _width(top: int) -> int:

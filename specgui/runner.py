@@ -76,6 +76,11 @@ class Top:
     def probs(self) -> torch.Tensor:
         return self.packed[:, 2 * self.k : 3 * self.k]
 
+    def choices(self, values: list[float]) -> list[int]:
+        """Each row's likeliest id, from `values`: `packed` as read, flattened (what follows it is left alone)."""
+        width = self.packed.shape[1]
+        return [int(values[r * width]) for r in range(len(self))]
+
 
 def top_of(logits: torch.Tensor, k: int) -> Top:
     """The `Top` of float logits [R, V] (k at least 2: the margin needs the runner-up)."""

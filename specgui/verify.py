@@ -66,7 +66,7 @@ def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generat
         rider.values, end = values[start:end], start
     values = values[:end]
     rows, width = len(target), target.packed.shape[1]
-    best = [int(values[r * width]) for r in range(rows)]
+    best = target.choices(values)
     margins = [values[r * width + width - 1] for r in range(rows)]
     extras = len(extra) if extra is not None else 0
     done = rows * width

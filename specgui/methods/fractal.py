@@ -526,10 +526,9 @@ class Fractal(Drafter):
         del state.riders[riders:]  # read here, with the forward's own verdict: the draft is needed now
         # one read: per row [1 + w] the head's verdict (the target's own next token, then each slot's prediction);
         # then the guesses (on the fast path one span of the readout)
-        width = top.packed.shape[1]
         values = read_together([top.packed, *(rider.device for rider in splice.riders)])
-        best = [int(values[r * width]) for r in range(1 + w)]
-        splice.settle(values[(1 + w) * width :])
+        best = top.choices(values)
+        splice.settle(values[top.packed.numel() :])
         slots = splice.slot_tokens()
         tokens = [best[0], *consistent_chain(best[0], slots[-1], best[1:])]
         return tokens, self._origins(tokens, 1, slots)

@@ -156,10 +156,9 @@ def search(runner: Runner, cache: KVCache, position: int, hidden: torch.Tensor, 
     """
     allowed = set(range(len(units))) if allowed is None else set(allowed)
     schedule = Schedule.of(len(units), min(budget, len(allowed)), allowed)
-    rows = fastpath.bucket(schedule.rows)
-    step = runner.new_pass(np.full(rows or 1, position, dtype=np.int64), cache.view(position),
-                           np.eye(rows or 1, dtype=bool))
-    if isinstance(step, fastpath.StaticPass) and rows is not None:
+    rows = _program_rows(cache, schedule)
+    if rows is not None:
+        step = runner.new_pass(np.full(rows, position, dtype=np.int64), cache.view(position), np.eye(rows, dtype=bool))
         make = functools.partial(_in_program, runner.device, units, schedule, rows)
         read = step.rows_program(_key(units, schedule), make, hidden).tolist()
     else:
@@ -178,11 +177,16 @@ def prepare(runner: Runner, cache: KVCache, units: list[Unit], budget: int) -> N
     """Make the search's program now, outside any timed step, where `cache` is the fast path's and it is not made yet:
     a search of position 0 over zero states (its rows see only themselves)."""
     schedule = Schedule.of(len(units), min(budget, len(units)), set(range(len(units))))
-    rows = fastpath.bucket(schedule.rows)
-    if isinstance(cache, fastpath.StaticKVCache) and rows is not None and not cache.made(_key(units, schedule), rows):
+    rows = _program_rows(cache, schedule)
+    if rows is not None and not cache.made(_key(units, schedule), rows):
         hidden = torch.zeros(2 * runner.num_layers + 1, runner.config.hidden_size, dtype=runner.dtype,
                              device=runner.device)
         search(runner, cache, 0, hidden, units, budget)
+
+
+def _program_rows(cache: KVCache, schedule: Schedule) -> int | None:
+    """The bucket of rows the search runs over as one program, where `cache` is the fast path's; None: a pass a unit."""
+    return fastpath.bucket(schedule.rows) if isinstance(cache, fastpath.StaticKVCache) else None
 
 
 def _key(units: list[Unit], schedule: Schedule) -> tuple:

@@ -48,6 +48,7 @@ import torch
 
 from specgui.draft import Draft, OnDevice, Outcome
 from specgui.errors import SpecGUIError
+from specgui.fastpath import CHAIN_NODES
 from specgui.methods.base import DecodeState, register
 from specgui.methods.bayesopt import BayesOpt, candidate_pool
 from specgui.methods.layerskip import Chain, ExitThreshold, LayerSkipDrafter, LayerSkipParams, UnreadChain
@@ -64,8 +65,9 @@ def parse_widths(text: str) -> tuple[int, int, int, int]:
         widths = tuple(int(w) for w in text.split(","))
     except ValueError:
         widths = ()
-    if len(widths) != 4 or any(not 1 <= w <= 16 for w in widths):
-        raise SpecGUIError(f"swift.candidates must be four comma-separated counts from 1 to 16, got {text!r}")
+    if len(widths) != 4 or any(not 1 <= w <= CHAIN_NODES for w in widths):  # a chained draft's ids a position
+        raise SpecGUIError(f"swift.candidates must be four comma-separated counts from 1 to {CHAIN_NODES}, "
+                           f"got {text!r}")
     return widths  # type: ignore[return-value]
 
 
