@@ -36,6 +36,10 @@ def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path):
     assert all(v["identical"] == v["total"] == 1 for v in identity.values()), identity
     assert sum(v["drafted"] for v in identity.values()) > 0  # identity of methods that never drafted proves nothing
     assert sections["bench"]["reports"]["on"]["methods"]["baseline"]["tokens_per_s"] > 0
+    host = {t["target"]: t for t in sections["bench"]["targets"] if "draft + overhead" in t["target"]}
+    assert set(host) == {f"{m}: draft + overhead at most {gpucheck.HOST_MS_TARGET:g} ms a step"
+                         for m in gpucheck.HOST_LIGHT}  # a GPU's target: measured and shown here, judged there
+    assert all(t["pass"] is None and t["measured"].endswith(")") for t in host.values())
     forms = sections["sdpa"]["forms"]  # both attention forms timed on a verify; on a CPU equal bit for bit
     assert forms["stock"]["ms"] > 0 and forms["grouped"]["ms"] > 0 and forms["grouped"]["logits"] == "equal"
     failed = [t for t in report["targets"] if t["pass"] is False]
