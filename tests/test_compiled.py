@@ -85,6 +85,38 @@ def test_compiled_path_is_token_identical_to_the_eager_programs_for_every_method
 
 
 @needs_inductor
+def test_in_bf16_the_compiled_layer_equals_its_two_units_bit_for_bit():
+    """Plain programs run the whole-layer function, skip plans and recording variants its two units: in bf16 inductor
+    would keep a fused intermediate in float32 where the units round it, and the layer-skip methods would leave plain
+    decoding's tokens at near-ties (seen on an H200). Rounded as eager rounds, all three forms agree bit for bit."""
+    lm = tiny_model(cpu=False, hidden=96)
+    block = lm.runner.layers[0]
+    shape = compiled.shape_of(lm.runner.config, torch.device("cpu"))
+    weights = compiled.LayerWeights(*(None if w is None else w.to(torch.bfloat16)
+                                      for w in compiled.weights_of(block)))
+    rows, columns = 5, 16
+    gen = torch.Generator().manual_seed(3)
+    h = (torch.randn(1, rows, 96, generator=gen) * 4).to(torch.bfloat16)
+    cos, sin = (torch.randn(1, rows, shape.head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, rows, columns, dtype=torch.bool)
+    index = torch.arange(rows) + 3
+
+    def run(first, then=None):  # a whole layer, or an attention unit then an MLP unit
+        keys = torch.randn(1, shape.kv_heads, columns, shape.head_dim, generator=torch.Generator().manual_seed(4))
+        keys, values = keys.to(torch.bfloat16), keys.flip(-1).to(torch.bfloat16)
+        out = first(h, weights, keys, values, cos, sin, mask, index, shape)
+        return (out if then is None else then(out, weights, shape)), keys
+
+    with torch.inference_mode():
+        whole, whole_keys = run(compiled.compiled("layer"))
+        units, unit_keys = run(compiled.compiled("attention"), compiled.compiled("mlp"))
+        eager, _ = run(compiled.attention_unit, compiled.mlp_unit)
+    assert torch.equal(whole_keys, unit_keys)
+    assert torch.equal(whole, units), (whole.float() - units.float()).abs().max()
+    assert torch.equal(whole, eager)
+
+
+@needs_inductor
 def test_a_second_process_compiles_nothing_and_a_layer_runs_few_kernels(tiny_lm, tmp_path, monkeypatch):
     """`gpucheck`'s dispatch figures: a compiled layer's kernels (at most 10 on a CPU: norm, q/k/v, rotary and cache
     write, attention, output, residual and norm, gate/up, activation, down, residual) against the eager program's
