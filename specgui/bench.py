@@ -420,7 +420,9 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
         for p in diverged:
             d = p["divergence"]
             margin = f"{d['baseline_margin']:.4g}" if d["baseline_margin"] is not None else "?"
-            verdict = "a near-tie (within the logit noise)" if d["near_tie"] else "NOT within the logit noise: a bug"
+            verdict = ("a reference on its own kernels, not held to this path's logit noise"  # transformers' kernels
+                       if p["method"] in REFERENCES else "a near-tie (within the logit noise)" if d["near_tie"]
+                       else "NOT within the logit noise: a bug")
             lines.append(f"  {p['method']} on {p['id']}: first differs at token {d['position']} "
                          f"(baseline {d['baseline_token']}, method {d['method_token']}), "
                          f"baseline top-2 margin {margin} -> {verdict}")

@@ -298,7 +298,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     if simd is not None:
         print(f"skinny kernels: {simd}" + (" (forced by SPECGUI_SIMD)" if results.simd_forced() else ""))
     fast = fastpath.resolve(args.fast_path, lm.runner)
-    profile = costs.profile_for(lm, fast, refresh=args.refresh)
+    profile = costs.profile_for(lm, fast, refresh=args.refresh, run=decode.run)
     ids = encode_prompt(lm.tokenizer, "Summarise: the cost model measures what each forward costs.")
     for name in methods.names():
         decode.run(lm, ids, name, max_new_tokens=8, fast_path=args.fast_path, profile=profile)
@@ -321,7 +321,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_dv_search(args: argparse.Namespace) -> None:
-    from specgui import costs, fastpath
+    from specgui import costs, decode, fastpath
     from specgui.methods import dv
 
     overrides = _overrides(args.param, scoped=False)
@@ -329,7 +329,7 @@ def cmd_dv_search(args: argparse.Namespace) -> None:
     methods.params_for("dv", args.model, device.split(":")[0], overrides)  # before the model loads
     lm = load_model(args)
     params = methods.params_for("dv", lm.name, lm.runner.device.type, overrides)
-    profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner))
+    profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner), run=decode.run)  # measured on a fresh cache
     result, cached = dv.load_or_search(lm.runner, lm.tokenizer, params, profile)
     print(f"{'cached' if cached else 'searched'}: {dv.cache_path(lm.runner, params)}")
     print(f"skip attention {result.attn}, MLP {result.mlp}; predicted speedup {result.objective:.3f} at K = "

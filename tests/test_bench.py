@@ -123,11 +123,16 @@ def test_format_report_separates_ties_from_bugs():
                   {"id": "p", "method": "m", "divergence": {"position": 2, "baseline_token": 7, "method_token": 9,
                                                             "baseline_margin": 0.125, "near_tie": True}},
                   {"id": "q", "method": "m", "divergence": {"position": 4, "baseline_token": 1, "method_token": 2,
-                                                            "baseline_margin": 3.5, "near_tie": False}}]}
+                                                            "baseline_margin": 3.5, "near_tie": False}},
+                  {"id": "q", "method": "hf-static", "divergence": {"position": 3, "baseline_token": 1,
+                                                                    "method_token": 2, "baseline_margin": 0.5,
+                                                                    "near_tie": False}}]}
     text = bench.format_report(report)
     assert "logit noise between batch shapes: 0.25" in text and "bfloat16, fast path" in text
     assert "m on p: first differs at token 2" in text and "a near-tie (within the logit noise)" in text
     assert "m on q: first differs at token 4" in text and "margin 3.5 -> NOT within the logit noise: a bug" in text
+    assert "hf-static on q: first differs at token 3" in text and "margin 0.5 -> a reference on its own kernels" in text
+    assert text.count("a bug") == 1  # transformers' kernels are not held to this path's noise
     assert " 1/3     1" in text  # identical and ties in their own columns
 
 

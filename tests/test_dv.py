@@ -5,8 +5,11 @@ Losslessness with the presets (greedy on tiny and embedded models, sampling) is 
 
 import itertools
 import json
+import subprocess
+import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from specgui.errors import SpecGUIError
 from specgui.methods import dv
 from specgui.runner import SkipPlan
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 QUICK = {"iterations": 6, "init_points": 3, "calibration": "chat-001,code-001", "calibration_tokens": 10,
          "max_draft": 3, "policy": "fixed"}
@@ -165,6 +169,16 @@ def test_greedy_identical_with_the_searched_set(deep_lm, cache_dir):
 def test_cli_checks_search_settings_before_loading_a_model(capsys):
     assert cli.main(["dv-search", "--param", "iterations=-1"]) == 2
     assert "iterations must be >= 0" in capsys.readouterr().err
+
+
+def test_cli_searches_in_a_fresh_process():
+    """`dv-search` in a process of its own (what a GPU lease runs ahead of its check): it prices the search with the
+    cost profile, whose plain steps need the decode loop that nothing else there imports."""
+    done = subprocess.run([sys.executable, "-m", "specgui", "dv-search", "--model", "random:tiny",
+                           *(f"--param={k}={v}" for k, v in {**QUICK, "iterations": 0, "init_points": 1}.items())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(("searched: ", "cached: ")) and "sets scored in" in done.stdout
 
 
 def gpu_like(lm) -> CostProfile:
