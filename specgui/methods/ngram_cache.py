@@ -58,10 +58,14 @@ class NgramCache:
         continuation was complete), and one that `gram` is a prefix of already holds it: either way
         only the longer of the two stays, now at the front.
         """
-        entries = self.table.setdefault(key, [])
+        entries = self.table.get(key)
+        if entries is None:  # get, not setdefault: that builds a list on every call (~50 a step at GPU sizes)
+            entries = self.table[key] = []
+        size = len(gram)
         for i, old in enumerate(entries):
-            if old[: len(gram)] == gram[: len(old)]:
-                gram = old if len(old) > len(gram) else gram
+            if old[:size] == gram[: len(old)]:
+                if len(old) > size:
+                    gram = old
                 del entries[i]
                 self.size -= 1
                 break
@@ -83,8 +87,9 @@ class NgramCache:
 
     def add_gram(self, tokens: Sequence[int]) -> None:
         """Index one n-gram: its first 1..max_key tokens each map to the rest."""
+        tokens = tuple(tokens)  # once: its slices are the keys and continuations
         for k in range(1, min(self.max_key, len(tokens) - 1) + 1):
-            self.insert(tuple(tokens[:k]), tuple(tokens[k:]))
+            self.insert(tokens[:k], tokens[k:])
 
     def lookup(self, tokens: Sequence[int], max_key: int | None = None) -> Iterator[tuple[Key, Gram]]:
         """(key, continuation) pairs for the text `tokens`, longest matching key first, best first per key."""

@@ -29,6 +29,8 @@ few that a forward of about five tokens leaves), taking turns, so every branch k
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,21 @@ from specgui.methods.policy import SizedParams
 from specgui.params import param
 
 FREE = 0.03  # extra rows whose forward costs at most this much more than without them ride "for free"
+
+
+@functools.lru_cache(maxsize=256)
+def branch_block(lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Branches of `lengths` side by side: the [E, E] mask among their tokens (each sees its own branch up to
+    itself: block-diagonal, lower-triangular) and each token's offset in its branch. Read-only and cached: after
+    the warm-up the branches fed keep the same lengths step after step, and per-branch numpy calls cost more
+    than the rest of the extras together at N = L = 6."""
+    sizes = np.asarray(lengths, dtype=np.int64)
+    branch = np.repeat(np.arange(len(sizes)), sizes)
+    index = np.arange(len(branch))
+    offsets = index - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    block = (branch[:, None] == branch[None, :]) & (index[:, None] >= index[None, :])
+    block.flags.writeable = offsets.flags.writeable = False
+    return block, offsets
 
 
 @dataclass(frozen=True)
@@ -104,12 +121,13 @@ class SelfDraft(Drafter):
         depth = state.max_depth
         trie, candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
         found = len(trie.tokens)
-        sizing = self.policy.choose(lambda n: state.step_ms(self.retrieve_ms, 1 + n + self._room(state, n)),
+        room = self._room(state)
+        sizing = self.policy.choose(lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n)),
                                     state.plain_ms(), found) if found else None
         n = sizing.size if sizing else 0
         self.verified, self.exhausted = n, n == found
         self.candidates = within(candidates, n)
-        self.fed = self._choose_branches(self._room(state, n)) if depth > 0 else {}
+        self.fed = self._choose_branches(room(n)) if depth > 0 else {}
         info: dict[str, Any] = {"branches": list(self.fed.values()), "candidates": self.candidates,
                                 "warmup": any(len(b) < self.params.branch_len for b in self.branches)}
         if sizing is not None:
@@ -118,17 +136,29 @@ class SelfDraft(Drafter):
         return Draft(tokens=trie.tokens[:n], parents=trie.parents[:n], extras=extras, info=info,
                      cost_ms=self.retrieve_ms)
 
-    def _room(self, state: DecodeState, nodes: int) -> int:
-        """Branch tokens that may ride beside `nodes` candidate nodes: all of them under the fixed policy,
-        else those the profile prices as free (within `FREE` of the forward without them); `max_forward` caps."""
+    def _room(self, state: DecodeState) -> Callable[[int], int]:
+        """This step's branch tokens that may ride beside n candidate nodes, as a function of n: all of them under
+        the fixed policy, else the most the profile prices as free (within `FREE` of the forward without them);
+        `max_forward` caps.
+
+        The policy prices every size up to the trie's, so each size's room and each verify price is computed once
+        a step (`functools.cache`): unshared, each size's scan down from all branch tokens re-priced the forwards
+        the scans of its neighbours had priced, ~190 profile lookups a step (~1 ms) at GPU sizes (N = L = 6, 24
+        nodes) where prices grow slowly with rows, most of selfdraft's host time there."""
         total = sum(len(b) for b in self.branches)
-        room = total
-        if self.params.policy != "fixed":
-            base = state.verify_ms(1 + nodes)
-            while room > 0 and state.verify_ms(1 + nodes + room) > base * (1 + FREE):
-                room -= 1
-        if self.params.max_forward:
-            room = min(room, max(0, self.params.max_forward - 1 - nodes))
+        verify_ms = functools.cache(state.verify_ms)  # prices hold for the step: the profile learns after it
+
+        @functools.cache
+        def room(nodes: int) -> int:
+            free = total
+            if self.params.policy != "fixed":
+                limit = verify_ms(1 + nodes) * (1 + FREE)
+                while free > 0 and verify_ms(1 + nodes + free) > limit:
+                    free -= 1
+            if self.params.max_forward:
+                free = min(free, max(0, self.params.max_forward - 1 - nodes))
+            return free
+
         return room
 
     def _choose_branches(self, room: int) -> dict[int, list[int]]:
@@ -164,17 +194,14 @@ class SelfDraft(Drafter):
     def _extras(self, committed: int, nodes: int) -> Extras:
         """The branches as ride-along tokens: branch j's i-th token sits at position committed + 1 + i and
         sees the pending token (column 0) and its own branch up to itself (block-diagonal, lower-triangular)."""
-        lengths = [len(b) for b in self.fed.values()]
-        extra = sum(lengths)
+        lengths = tuple(len(b) for b in self.fed.values())
+        block, offsets = branch_block(lengths)
+        extra = len(offsets)
         visibility = np.zeros((extra, 1 + nodes + extra), dtype=bool)  # host work: numpy, uploaded with the pass
         visibility[:, 0] = True
-        start = 0
-        for n in lengths:  # block-diagonal, each branch lower-triangular
-            visibility[start : start + n, 1 + nodes + start : 1 + nodes + start + n] = np.tri(n, dtype=bool)
-            start += n
+        visibility[:, 1 + nodes :] = block
         tokens = [t for b in self.fed.values() for t in b]
-        positions = [committed + 1 + i for n in lengths for i in range(n)]
-        return Extras(tokens=tokens, positions=positions, visibility=visibility)
+        return Extras(tokens=tokens, positions=(offsets + (committed + 1)).tolist(), visibility=visibility)
 
     # -- 5. observe -----------------------------------------------------------------------------------------
 

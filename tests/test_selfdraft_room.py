@@ -1,0 +1,59 @@
+"""Self-Draft's branch room, priced once per size and forward a step, equals the scan it replaces.
+
+The policy prices every candidate size, and each size's room is a scan down from all branch tokens: `_room` caches
+both the rooms and the verify prices for the step. Here it is held to the uncached definition on prices that are
+not monotone in rows (a calibrated profile's need not be), and each price is asked for once.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+
+from helpers import tiny_model
+from specgui import methods
+from specgui.methods.selfdraft import FREE
+from specgui.sampling import GREEDY
+
+
+class Prices:
+    """A stand-in `DecodeState`: noisy verify prices by rows, counting the lookups."""
+
+    def __init__(self, seed: int, slope: float) -> None:
+        rng = random.Random(seed)
+        self.table = {rows: 1.5 + slope * rows + rng.uniform(0, 0.06) for rows in range(1, 200)}
+        self.asked: Counter[int] = Counter()
+
+    def verify_ms(self, rows: int) -> float:
+        self.asked[rows] += 1
+        return self.table[rows]
+
+
+def scanned_room(prices: Prices, total: int, nodes: int, policy: str, max_forward: int) -> int:
+    """The definition: the most branch tokens within `FREE` of the forward without them, scanning down; capped."""
+    room = total
+    if policy != "fixed":
+        base = prices.table[1 + nodes]
+        while room > 0 and prices.table[1 + nodes + room] > base * (1 + FREE):
+            room -= 1
+    if max_forward:
+        room = min(room, max(0, max_forward - 1 - nodes))
+    return room
+
+
+@pytest.mark.parametrize("policy", ["cost", "fixed"])
+@pytest.mark.parametrize("max_forward", [0, 13, 40])
+@pytest.mark.parametrize("slope", [0.0, 0.002, 0.02])
+def test_room_is_the_scan_pricing_each_forward_once(policy, max_forward, slope):
+    lm = tiny_model()
+    drafter = methods.create("selfdraft", lm.runner, lm.name, GREEDY,
+                             {"branches": 6, "branch_len": 6, "policy": policy, "max_forward": max_forward})
+    drafter.branches = [[1] * 6, [2] * 6, [3] * 5, [4] * 6, [5] * 6, [6] * 6]
+    for seed in range(5):
+        prices = Prices(seed, slope)
+        room = drafter._room(prices)
+        sizes = list(range(1, 25))
+        assert [room(n) for n in sizes + sizes] == [scanned_room(prices, 35, n, policy, max_forward)
+                                                     for n in sizes + sizes]
+        assert max(prices.asked.values(), default=1) == 1
+        assert policy == "cost" or not prices.asked  # the fixed policy rides every branch unpriced
