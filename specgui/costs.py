@@ -132,7 +132,13 @@ class CostProfile:
         can come out below zero; it is
         kept so, so that a plain step is priced at what it measured, not above it (clamped at zero, a step of
         32.1 ms was priced 33.6 and every prediction came out ~5% optimistic)."""
-        return self.step - self.forward_ms(1, self.contexts[0])
+        return self.step - self._one_token_ms
+
+    @cached_property  # of `forward`, `contexts` and `head`, never changed after construction; `step` is set later
+    def _one_token_ms(self) -> float:
+        """The one-token forward at the short context: every price reads it (`loop_ms`), a second interpolation per
+        price when computed each time (Self-Draft prices ~50 forwards a step at a GPU's sizes)."""
+        return self.forward_ms(1, self.contexts[0])
 
     def verify_ms(self, rows: int, context: int) -> float:
         """A step's verify phase: one forward of `rows` tokens plus the loop's own cost."""
