@@ -165,10 +165,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _drafting(method: str) -> dict[str, Any] | None:
-    """The paper's fixed draft schedule where a method has a policy: identity means something only if it drafts."""
+def _drafting(method: str, gpu_like: bool = False) -> dict[str, Any] | None:
+    """The paper's fixed draft schedule where a method has a policy: identity means something only if it drafts.
+    `gpu_like`: drafts also score the whole vocabulary, as on a GPU (a draft vocabulary is a CPU preset)."""
     fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
-    return {"policy": "fixed"} if "policy" in fields else None
+    wanted = {"policy": "fixed", **({"draft_vocab": 0} if gpu_like else {})}
+    return {k: v for k, v in wanted.items() if k in fields} or None
 
 
 def _step_ms_per_token(result: decode.Result) -> float:
@@ -340,8 +342,8 @@ def section_bench(ctx: Context) -> dict[str, Any]:
     # on a GPU transformers' dynamic-cache generate runs ~25x slower than a step (a lease's 40 s for nothing):
     # the compiled static-cache one is the reference users know there
     refs = ["hf-static"] if opts.cuda else ["hf-generate"]
-    left_out = [m for m in opts.methods if opts.cuda and m == "dv" and not _dv_searched(lm)]
-    entries = bench.entries_for([*refs, *(m for m in opts.methods if m not in left_out)])
+    dv_left_out = opts.cuda and "dv" in opts.methods and not _dv_searched(lm)
+    entries = bench.entries_for([*refs, *(m for m in opts.methods if not (dv_left_out and m == "dv"))])
     reports, out_rows, prepared = {}, [], []
 
     def note(found: dict[str, Any]) -> None:  # a section stopped by a timeout still says where its time went
@@ -360,10 +362,11 @@ def section_bench(ctx: Context) -> dict[str, Any]:
         reports[path] = {"methods": report["methods"], "logit_noise": report["logit_noise"],
                          "profile": report["profile"]}
         out_rows += [_bench_row(label, agg, path) for label, agg in report["methods"].items()]
-    targets = _bench_targets(reports["on"], opts.cuda) + [
-        target(f"{m} benched", "left out: its skip set is not searched on this machine yet (an offline search of "
-               "minutes on a GPU: run `python -m specgui dv-search` in a call of its own first)", None)
-        for m in left_out]
+    targets = _bench_targets(reports["on"], opts.cuda)
+    if dv_left_out:
+        targets.append(target("dv benched", "left out: its skip set is not searched on this machine yet (an offline "
+                              "search of minutes on a GPU: run `python -m specgui dv-search` in a call of its own "
+                              "first)", None))
     return table(["method", "fast path", "ms/token", "tok/s", "speedup", "predicted", "tau", "identical"],
                  out_rows, targets, model=lm.name, dtype=opts.dtype,
                  prompts=len(rows), new_tokens=opts.bench_tokens, reports=reports, prepared=prepared,
@@ -593,11 +596,8 @@ def dispatch_counts(lm: LoadedModel, method: str, prompts: list[list[int]], toke
     greedy, drafting as on a GPU (the fixed schedule, the whole vocabulary), after a warm-up run (programs made)."""
     from specgui import dispatch
 
-    fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
-    gpu_like = {"policy": "fixed", "draft_vocab": 0}  # as drafts run on a GPU (a draft vocabulary is a CPU preset)
-    run = functools.partial(decode.run, lm, method=method, fast_path="on",
-                            params={k: v for k, v in gpu_like.items() if k in fields} or None)
-    run(prompts[0], max_new_tokens=8)
+    run = functools.partial(decode.run, lm, method=method, fast_path="on", params=_drafting(method, gpu_like=True))
+    run(prompts[0], max_new_tokens=8)  # warm-up: programs made, setup done
     with dispatch.counting() as counts:
         for ids in prompts:
             result = run(ids, max_new_tokens=tokens)
