@@ -195,13 +195,14 @@ def generate(
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
                               extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}
+            overhead_ms = clock.host(started)  # the clock stops, as at prefill: the pieces' text is presentation
             state.step += 1
             step = Step(
                 index=state.step, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
                 draft_pieces=tuple(_draft_pieces(lm, context, draft)), path=tuple(verdict.path),
                 token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
                 emitted_pieces=tuple(detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
-                forward_tokens=rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=clock.host(started),
+                forward_tokens=rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
                 payload=payload, predicted_ms=predicted_ms, plain_ms=plain_ms,
             )
             steps.append(step)

@@ -67,6 +67,23 @@ def test_consumer_time_is_not_counted(tiny_lm):
     assert wall < fast + 0.1  # six 50 ms sleeps would add 0.3 s
 
 
+def test_the_pieces_text_is_presentation_not_counted(tiny_lm, monkeypatch):
+    # a slow detokenizer: every draft token's text (and every emitted one's) takes 50 ms to build
+    slow_piece = decode.piece_in_context
+
+    def piece(*args):
+        time.sleep(0.05)
+        return slow_piece(*args)
+
+    monkeypatch.setattr(decode, "piece_in_context", piece)
+    events = list(decode.generate(tiny_lm, PROMPT, "pld", max_new_tokens=20, params={"policy": "fixed"}))
+    steps = [e for e in events if isinstance(e, Step)]
+    drafted = sum(s.drafted for s in steps)
+    assert drafted >= 10 and all(len(s.draft_pieces) == s.drafted for s in steps)
+    assert max(s.overhead_ms for s in steps) < 50  # each drafting step built >= 1 piece: 50 ms each were it timed
+    assert events[-1].wall_s < 0.05 * drafted  # the sleeps alone would take that long
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": 0}, "positive"),
     ({"max_new_tokens": 5000}, "context"),
