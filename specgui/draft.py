@@ -37,6 +37,15 @@ class Extras:
     want_logits: bool = True
     logit_rows: list[int] | None = None
 
+    @staticmethod
+    def beside(block: np.ndarray, nodes: int) -> np.ndarray:
+        """`visibility` for extras that see the pending token and, among themselves, `block` [E, E]: no draft node
+        (host work, in numpy: uploaded with the pass's inputs)."""
+        visible = np.zeros((len(block), 1 + nodes + len(block)), dtype=bool)
+        visible[:, 0] = True
+        visible[:, 1 + nodes :] = block
+        return visible
+
 
 @dataclass
 class OnDevice:

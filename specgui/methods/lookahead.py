@@ -61,11 +61,7 @@ def window_visibility(width: int, levels: int, nodes: int) -> np.ndarray:
     The guess nodes sit between the pending token and the window and are seen by no window row, so the mask is
     the pending token's column, `nodes` empty ones, then the window's own block (`_window_block`).
     """
-    block = _window_block(width, levels)
-    visible = np.zeros((len(block), 1 + nodes + len(block)), dtype=bool)  # host work: numpy, uploaded with the pass
-    visible[:, 0] = True  # column 0 of block 0, which every row's column j >= 0 includes
-    visible[:, 1 + nodes :] = block
-    return visible
+    return Extras.beside(_window_block(width, levels), nodes)  # column 0: in block 0, which every row sees
 
 
 @functools.lru_cache(maxsize=64)

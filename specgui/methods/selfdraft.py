@@ -196,12 +196,9 @@ class SelfDraft(Drafter):
         sees the pending token (column 0) and its own branch up to itself (block-diagonal, lower-triangular)."""
         lengths = tuple(len(b) for b in self.fed.values())
         block, offsets = branch_block(lengths)
-        extra = len(offsets)
-        visibility = np.zeros((extra, 1 + nodes + extra), dtype=bool)  # host work: numpy, uploaded with the pass
-        visibility[:, 0] = True
-        visibility[:, 1 + nodes :] = block
         tokens = [t for b in self.fed.values() for t in b]
-        return Extras(tokens=tokens, positions=(offsets + (committed + 1)).tolist(), visibility=visibility)
+        return Extras(tokens=tokens, positions=(offsets + (committed + 1)).tolist(),
+                      visibility=Extras.beside(block, nodes))
 
     # -- 5. observe -----------------------------------------------------------------------------------------
 
