@@ -68,20 +68,25 @@ def test_consumer_time_is_not_counted(tiny_lm):
 
 
 def test_the_pieces_text_is_presentation_not_counted(tiny_lm, monkeypatch):
-    # a slow detokenizer: every draft token's text (and every emitted one's) takes 50 ms to build
-    slow_piece = decode.piece_in_context
+    def steps_and_wall():
+        events = list(decode.generate(tiny_lm, PROMPT, "pld", max_new_tokens=20, params={"policy": "fixed"}))
+        return [e for e in events if isinstance(e, Step)], events[-1].wall_s
 
-    def piece(*args):
+    steps, wall = steps_and_wall()
+    quick_piece = decode.piece_in_context
+
+    def piece(*args):  # a slow detokenizer: every draft token's text takes 50 ms to build
         time.sleep(0.05)
-        return slow_piece(*args)
+        return quick_piece(*args)
 
     monkeypatch.setattr(decode, "piece_in_context", piece)
-    events = list(decode.generate(tiny_lm, PROMPT, "pld", max_new_tokens=20, params={"policy": "fixed"}))
-    steps = [e for e in events if isinstance(e, Step)]
-    drafted = sum(s.drafted for s in steps)
-    assert drafted >= 10 and all(len(s.draft_pieces) == s.drafted for s in steps)
-    assert max(s.overhead_ms for s in steps) < 50  # each drafting step built >= 1 piece: 50 ms each were it timed
-    assert events[-1].wall_s < 0.05 * drafted  # the sleeps alone would take that long
+    slow_steps, slow_wall = steps_and_wall()
+    drafted = sum(s.drafted for s in slow_steps)
+    assert [s.draft_tokens for s in slow_steps] == [s.draft_tokens for s in steps] and drafted >= 10
+    assert all(len(s.draft_pieces) == s.drafted for s in slow_steps)
+    # timed, each drafting step's overhead would grow by >= 50 ms and the run's wall by 50 ms a draft token
+    assert max(s.overhead_ms for s in slow_steps) < max(s.overhead_ms for s in steps) + 25
+    assert slow_wall < wall + 0.025 * drafted
 
 
 @pytest.mark.parametrize("kwargs, message", [
