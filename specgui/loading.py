@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specgui import cpu_layers, kernels
+from specgui import arena, cpu_layers, kernels
 from specgui.cachedir import cache_root
 from specgui.errors import SpecGUIError
 from specgui.runner import Runner
@@ -158,6 +158,7 @@ def load(spec: ModelSpec = ModelSpec()) -> LoadedModel:
         name = spec.name.rstrip("/")
     if spec.device_map is None and spec.quantization is None:
         model = model.to(device)
+        arena.gather(model)  # a CPU model's weights aligned, off the file's pages (specgui/arena.py)
     model.eval()
     if spec.small_batch_matmul:
         kernels.install(model, cache_root())

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specgui import compiled, costs, cpu_layers, decode, kernels, methods
+from specgui import arena, compiled, costs, cpu_layers, decode, kernels, methods
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.runner import Runner
 from specgui.sampling import Sampling
@@ -79,6 +79,7 @@ def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int 
                         eos_token_id=eos, bos_token_id=None, pad_token_id=None)
     model = model_cls(config).eval()
     model.set_attn_implementation(attn)
+    arena.gather(model)  # as `loading.load` does: the weights in one aligned buffer
     if cpu:  # as `loading.load` does: the machine's own matmul forms, then the C layers
         kernels.install(model)
         cpu_layers.install(model)

@@ -1,10 +1,11 @@
 """Model loading: the embedded GGUF with its conversion cache, and one-line errors for bad models."""
 
 import pytest
+import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from helpers import tiny_model
-from specgui import loading
+from specgui import arena, loading
 from specgui.errors import SpecGUIError
 from specgui.loading import ModelSpec
 
@@ -68,3 +69,44 @@ def test_unsupported_architecture(tmp_path):
 def test_bad_spec_fields(field, value):
     with pytest.raises(SpecGUIError):
         ModelSpec(**{field: value})
+
+
+def test_a_loaded_cpu_models_weights_share_one_aligned_buffer(embedded_lm):
+    """`arena.gather` at load: off the safetensors file's pages (whose tensors began 40 bytes past a cache line)."""
+    params = list(embedded_lm.model.parameters())
+    assert {p.data_ptr() % arena.LINE for p in params} == {0}
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    head, embedding = embedded_lm.model.lm_head.weight, embedded_lm.model.model.embed_tokens.weight
+    assert head is embedding  # still tied: one copy, read by both
+
+
+def test_gather_moves_misaligned_weights_and_keeps_every_number():
+    lm = tiny_model(cpu=False)
+    model = lm.model
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's are
+    params = list(model.parameters())
+    mapped = torch.empty(sum(p.numel() for p in params) * 4 + 64 + 40, dtype=torch.uint8)
+    offset = -mapped.data_ptr() % 64 + 40  # as a mapped file's tensors: 40 bytes past a cache line
+    with torch.no_grad():
+        for p in params:
+            view = mapped[offset : offset + p.numel() * 4].view(torch.float32).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += p.numel() * 4
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        before = model(tokens).logits
+    assert arena.gather(model) == sum(-(-p.numel() * 4 // 64) * 64 for p in params)
+    assert {p.data_ptr() % 64 for p in model.parameters()} == {0}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.inference_mode():
+        assert torch.equal(model(tokens).logits, before)
+
+
+def test_gather_leaves_a_model_off_the_cpu_alone():
+    model = tiny_model(cpu=False).model
+    with torch.device("meta"):
+        model.extra = torch.nn.Linear(4, 4)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    assert arena.gather(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == pointers
