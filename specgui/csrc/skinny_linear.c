@@ -295,7 +295,14 @@ static const int WIDTH[TILE_ROWS + 1] = {0, 8, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
    whole 16-row forwards at a 128-token context (two threads, least of 12, builds alternating): 44.3 -> 39.2 ms,
    12 rows 34.0 -> 30.7, one row 22.7 -> 22.5. Prefetching further ahead (1-16 tiles), into L1, a line in two or
    four, in address order rather than row by row, in bursts at a group's start, or copying the tile's piece into a
-   buffer first: none faster. */
+   buffer first: none faster.
+   Why 16 rows stay above 1.6 one-row forwards on that Xeon (two threads, weights aligned by specgui/arena.py): one row
+   streams the weights at a core's limit (plain vector loads over 538 MB: 14-16 GB/s on one thread, 29-30 on two; a
+   one-row forward's products 26-28 GB/s), and 16 rows at the FMA units' peak (2 x 8 floats a cycle) consume 4 bytes
+   of weights a cycle, ~14 GB/s: both at their limit at once. A loop of 16 multiply-adds a streamed weight vector
+   (12 accumulators, no input loads at all) ran 6.9 G a second with its weights in L1 and 5.2 streamed, prefetched
+   ahead into L2 or L1. Timed inside a 16-row forward at a 128-token context, its products took 35.2 ms (layers 28.3,
+   head 6.9) against 22.0 for the whole one-row forward, attention 2.6 and SiLU 0.5 more. */
 #define GROUP_ROWS 4
 #define GROUPED_ROWS 32 /* the most input rows of a grouped pass (`F32_PASSES`) */
 #define LINE_FLOATS (64 / (long)sizeof(float))
