@@ -662,6 +662,31 @@ static const scores_fn SCORES_OF[SCORE_PAIRS + 1][SCORE_BLOCKS] = {
 #endif
 };
 
+/* The scores of np pairs (their queries, their rows of scores) against the n columns from j on of keys k, listed by
+   `list` (none: consecutive), in tiles of up to SCORE_PAIRS pairs and SCORE_BLOCKS blocks of LANES keys; a short
+   last block repeats its first column. */
+static void score_span(const float *const *queries, float *const *rows, long np, const float *k, const long *list,
+                       long j, long n, long D, float scaling) {
+    const float *keys[SCORE_BLOCKS * LANES];
+    float kt[SCORE_BLOCKS * MAX_HEAD_DIM * LANES], out[SCORE_PAIRS][SCORE_BLOCKS * LANES];
+    long blocks = (n + LANES - 1) / LANES;
+    for (long i = 0; i < blocks * LANES; i++) {
+        long column = j + (i < n ? i : 0);
+        keys[i] = k + (list ? list[column] : column) * D;
+    }
+    for (long b = 0; b < blocks; b++) keys_by_lane(keys + b * LANES, D, kt + b * D * LANES);
+    for (long q0 = 0; q0 < np; q0 += SCORE_PAIRS) {
+        int tile = np - q0 < SCORE_PAIRS ? (int)(np - q0) : SCORE_PAIRS;
+        SCORES_OF[tile][blocks - 1](queries + q0, kt, D, scaling, out);
+        for (int i = 0; i < tile; i++) {
+            float *to = rows[q0 + i] + j;
+            long c = 0;
+            for (; c + LANES <= n; c += LANES) vstore(to + c, vload(out[i] + c));
+            for (; c < n; c++) to[c] = out[i][c];
+        }
+    }
+}
+
 /* In place: s[0..n) -> softmax(s), a vector at a time (max and division are exact in any order) */
 static void softmax(float *s, long n) {
     long j = 0, nv = n - n % LANES;
@@ -752,27 +777,7 @@ static void attend(const float *qkv, long width, const float *k, const float *v,
 #define ROW(p) ((p) / G)
 #define HEAD(p) (ROW(p) * Hq + kv * G + (p) % G) /* the pair's head among all rows' heads */
 #define QUERY(p) (qkv + ROW(p) * width + (kv * G + (p) % G) * D)
-    /* the scores of pairs [a, e) against n columns from j on, listed by `list` (none: consecutive), a tile of up to
-       SCORE_PAIRS pairs and SCORE_BLOCKS blocks of keys at a time; a short last block repeats its first column */
-#define SCORE_SPAN(a, e, list, j, n)                                                                         \
-    do {                                                                                                     \
-        long blocks = ((n) + LANES - 1) / LANES;                                                             \
-        for (long i = 0; i < blocks * LANES; i++)                                                            \
-            keys[i] = k + ((list) ? (list)[(j) + (i < (n) ? i : 0)] : (j) + (i < (n) ? i : 0)) * D;          \
-        for (long b = 0; b < blocks; b++) keys_by_lane(keys + b * LANES, D, kt + b * D * LANES);             \
-        for (long q0 = (a); q0 < (e); q0 += SCORE_PAIRS) {                                                   \
-            int np = (e) - q0 < SCORE_PAIRS ? (int)((e) - q0) : SCORE_PAIRS;                                  \
-            SCORES_OF[np][blocks - 1](queries + (q0 - p0), kt, D, scaling, out);                             \
-            for (int i = 0; i < np; i++) {                                                                   \
-                float *to = rows[q0 - p0 + i] + (j);                                                         \
-                long c = 0;                                                                                  \
-                for (; c + LANES <= (n); c += LANES) vstore(to + c, vload(out[i] + c));                      \
-                for (; c < (n); c++) to[c] = out[i][c];                                                      \
-            }                                                                                                \
-        }                                                                                                    \
-    } while (0)
-    const float *keys[SCORE_BLOCKS * LANES], **queries = (const float **)pointers;
-    float kt[SCORE_BLOCKS * MAX_HEAD_DIM * LANES], out[SCORE_PAIRS][SCORE_BLOCKS * LANES];
+    const float **queries = (const float **)pointers;
     float **rows = (float **)(pointers + (p1 - p0));
     for (long p = p0; p < p1; p++) { /* each pair's query and row of scores, worked out once */
         queries[p - p0] = QUERY(p);
@@ -782,7 +787,7 @@ static void attend(const float *qkv, long width, const float *k, const float *v,
         long n = shared - j < SCORE_BLOCKS * LANES ? shared - j : SCORE_BLOCKS * LANES;
         for (long i = 0; j + n < shared && i < n * D; i += 16) /* the next keys, while these run */
             _mm_prefetch((const char *)(k + (j + n) * D + i), _MM_HINT_T0);
-        SCORE_SPAN(p0, p1, (const long *)0, j, n);
+        score_span(queries, rows, p1 - p0, k, 0, j, n, D, scaling);
     }
     for (long a = p0, e; a < p1; a = e) { /* each row's own columns, for the pairs of that row */
         long t = ROW(a);
@@ -790,10 +795,9 @@ static void attend(const float *qkv, long width, const float *k, const float *v,
         for (e = a; e < p1 && ROW(e) == t; e++) {}
         for (long j = shared; j < count[t]; j += SCORE_BLOCKS * LANES) {
             long n = count[t] - j < SCORE_BLOCKS * LANES ? count[t] - j : SCORE_BLOCKS * LANES;
-            SCORE_SPAN(a, e, list, j, n);
+            score_span(queries + (a - p0), rows + (a - p0), e - a, k, list, j, n, D, scaling);
         }
     }
-#undef SCORE_SPAN
     for (long p = p0; p < p1; p++) {
         softmax(scores + HEAD(p) * cols, count[ROW(p)]);
         for (long d = 0; d < D; d++) attn[HEAD(p) * D + d] = 0.0f;
