@@ -49,7 +49,7 @@ from specgui.loading import EMBEDDED, EMBEDDED_NAME, LoadedModel, resolve_device
 from specgui.prompts import load_prompts
 from specgui.sampling import Sampling
 from specgui.text import encode_prompt
-from specgui.ui import charts, compare, controls, render, runs
+from specgui.ui import charts, compare, controls, diffs, render, runs
 from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, Tick, Worker
 from specgui.ui.view import RunView, TokenText, comparable, median_index, spread, why
 from specgui.ui.view import compare as compare_views
@@ -164,6 +164,7 @@ class App:
     # -- layout ---------------------------------------------------------------------------------------
 
     def build(self) -> gr.Blocks:
+        diffs.install()  # streamed values (the API's events above all) reach every client exactly
         with gr.Blocks(title="SpecGUI", delete_cache=GRADIO_CACHE) as demo:
             gr.Markdown(INTRO, elem_id="sg-intro")
             with gr.Tabs(elem_id="sg-tabs"):
