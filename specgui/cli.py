@@ -64,7 +64,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _path_args(p: argparse.ArgumentParser) -> None:
     """The decoding path: the fast path (static shapes, CUDA graphs) and whether its programs are compiled."""
     p.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto",
-                   help="static shapes and CUDA graphs (auto: on a CUDA GPU; see specgui/fastpath.py)")
+                   help="static shapes and CUDA graphs (auto: on a CUDA GPU; see specgui/fastpath/)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="the fast path's programs as inductor's kernels, compiled once per machine (auto: on a CUDA "
                         "GPU; on: a CPU too, slow to compile; see specgui/compiled.py)")

@@ -139,7 +139,7 @@ def generate(
     yield Start(method=method, model=lm.name, device=str(runner.device), num_layers=runner.num_layers,
                 params=_params_dict(drafter.params), sampling=sampling.to_dict(), max_new_tokens=max_new_tokens,
                 prompt_ids=tuple(prompt_ids), prompt_text=prompt_text, fast_path=static,
-                compiled=static and cache.compiled, costs=profile.curve())
+                compiled=static and cache.programs.compiled, costs=profile.curve())
 
     with torch.inference_mode():
         drafter.setup(state)  # one-time work (a skip-set search, first-use timings): before the clock starts

@@ -63,7 +63,7 @@ class OnDevice:
 
     nodes: int
     tokens: torch.Tensor | None  # [N] ids (any dtype that holds them exactly) for the verify forward to place; None:
-    # already where it reads them (a chained draft put them there: `StaticKVCache.chain`)
+    # already where it reads them (a chained draft put them there: `fastpath.chain`)
     values: torch.Tensor  # float32, read with the verdict
     decide: Callable[[list[float]], tuple[list[int], list[bool], list[float]]]  # read values -> tokens, valid, probs
     spine: list[int]

@@ -619,14 +619,14 @@ def compiled_figures(lm: LoadedModel) -> dict[str, Any]:
     runner, ops = lm.runner, collections.Counter()
 
     cache = fastpath.StaticKVCache(runner, 256)
-    cache.graphs = cache.compiled = False  # the eager program's function, called as it is
+    cache.programs.graphs = cache.programs.compiled = False  # the eager program's function, called as it is
     inputs = cache.inputs_for(1)
     with torch.inference_mode(), cpu_layers.suspended():  # transformers' modules, as a program on a GPU runs them
         inputs.load(None, np.zeros(1, dtype=np.int64), [cache.layout(layer, 1) for layer in range(runner.num_layers)],
                     np.ones((1, 1), dtype=bool))
         h = runner.embed(torch.zeros(1, 1, dtype=torch.long, device=runner.device))
         with dispatch.EagerOps(ops, lambda: runner.device, lambda: 0):
-            cache.units(runner.layers[0], 0, (0, 1), h, inputs)
+            fastpath.units(cache, runner.layers[0], 0, (0, 1), h, inputs)
     return {"kernels_per_layer": len(first["calls"]), "calls": first["calls"],
             "eager_ops_per_layer": sum(ops.values()), "eager_ops": dict(ops),
             "cache_reused": second["cache_misses"] == 0 and second["cache_hits"] > 0,
@@ -712,7 +712,7 @@ def _which_sdpa(lm: LoadedModel, ids: list[int], rows: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     cache = fastpath.StaticKVCache(lm.runner, 256 * (1 + (len(ids) + fastpath.SLACK) // 256))
-    cache.graphs = False
+    cache.programs.graphs = False
     n = len(ids)
     with torch.inference_mode():
         lm.runner.forward(torch.tensor(ids), torch.arange(n), cache)

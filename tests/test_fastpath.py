@@ -32,14 +32,14 @@ def test_static_forwards_match_model_forward(arch):
     with torch.inference_mode():
         reference = lm.model(ids[None]).logits[0]
         cache = fastpath.cache_for(lm.runner, 100)
-        made = set(cache.programs)
+        made = set(cache.programs.by_key)
         chunks = [(0, 5), (5, 6), (6, 9), (9, 79), (79, 82)]
         got = torch.cat([lm.runner.forward(ids[a:b], torch.arange(a, b), cache) for a, b in chunks])
     assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
     assert cache.lengths == [82] * 4 and sorted(cache.inputs) == list(fastpath.BUCKETS)
     # per bucket: the forward, the same ending in a verify's head, its recording variant and the keeper (moves accepted
     # keys); at one row, every sub-layer
-    assert set(cache.programs) == made and len(made) == 4 * len(fastpath.BUCKETS) + 2 * 4
+    assert set(cache.programs.by_key) == made and len(made) == 4 * len(fastpath.BUCKETS) + 2 * 4
 
 
 def test_masks_pad_rows_that_see_only_themselves():
@@ -142,7 +142,7 @@ def test_cuda_graphs_are_token_identical_in_fp32(method):
     lm = _on_cuda(tiny_model(seed=3))
     assert_greedy_identical(lm, method, TINY_PROMPTS, 40, fast_path="on", min_accepted=0)
     cache = fastpath.cache_for(lm.runner, 8)
-    assert cache.programs and all(p.graph is not None for p in cache.programs.values())
+    assert cache.programs.by_key and all(p.graph is not None for p in cache.programs.by_key.values())
 
 
 @cuda
@@ -289,7 +289,7 @@ def test_a_long_prompt_runs_as_bucketed_chunks_identical_to_the_eager_runner():
     lm = tiny_model(seed=7, vocab=64)
     prompt = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = fastpath.cache_for(lm.runner, 340)
-    made = set(cache.programs)
+    made = set(cache.programs.by_key)
     recorded = []
     with torch.inference_mode():
         for c in (KVCache(), cache):
@@ -298,7 +298,7 @@ def test_a_long_prompt_runs_as_bucketed_chunks_identical_to_the_eager_runner():
                              recorder.row(299)))
     assert torch.allclose(recorded[0][0], recorded[1][0], atol=1e-5)
     assert torch.allclose(recorded[0][1], recorded[1][1], atol=1e-5)  # observers see every row once
-    assert set(cache.programs) == made
+    assert set(cache.programs.by_key) == made
     for method in ("baseline", "pld"):
         fast = decode.run(lm, prompt, method, max_new_tokens=24, fast_path="on")
         assert fast.token_ids == baseline_run(lm, prompt, 24).token_ids
@@ -307,17 +307,17 @@ def test_a_long_prompt_runs_as_bucketed_chunks_identical_to_the_eager_runner():
 def test_warm_up_makes_every_bucket_once_and_pieces_on_demand():
     runner = tiny_model(seed=4).runner
     cache = fastpath.cache_for(runner, 16)
-    count = len(cache.programs)
+    count = len(cache.programs.by_key)
     # per bucket the whole forward, the same ending in a verify's head, its recording variant and the keeper; each
     # sub-layer alone at one row (what costs times)
     assert fastpath.stats(runner)["programs"] == count == 4 * len(fastpath.BUCKETS) + 2 * 4
     fastpath.warm_up(cache)
-    assert len(cache.programs) == count  # a second warm-up is free
+    assert len(cache.programs.by_key) == count  # a second warm-up is free
     standins = tiny_model(seed=9).runner.layers
     fastpath.warm_up(cache, [(standins, range(2, 4)), (None, range(0, 2))])
-    assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
+    assert len(cache.programs.by_key) == count + 2 * len(fastpath.BUCKETS)
     fastpath.warm_up(cache, [(standins, range(2, 4))])
-    assert len(cache.programs) == count + 2 * len(fastpath.BUCKETS)
+    assert len(cache.programs.by_key) == count + 2 * len(fastpath.BUCKETS)
 
 
 def test_measuring_a_profile_makes_one_cache_and_only_its_warm_up_programs():

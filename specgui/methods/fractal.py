@@ -275,7 +275,9 @@ class SpliceProgram:
     def of(cls, plan: Plan, cache: KVCache, exact: int) -> SpliceProgram | None:
         """The splice of forwards with `exact` rows over `cache` (the fast path's); None where its guesses do not
         fit."""
-        region = cache.tail(len(plan.layers) * plan.window) if isinstance(cache, fastpath.StaticKVCache) else None
+        if not isinstance(cache, fastpath.StaticKVCache):
+            return None
+        region = cache.readout.tail(len(plan.layers) * plan.window)
         return None if region is None else cls(plan, exact, region)
 
     @property

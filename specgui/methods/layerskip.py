@@ -59,7 +59,7 @@ class UnreadChain:
 
     top: Top
     threshold: float
-    placed: bool  # whether the nodes' ids already sit where the verify reads them (`StaticKVCache.chain`)
+    placed: bool  # whether the nodes' ids already sit where the verify reads them (`fastpath.chain`)
 
     def rows(self, values: list[float]) -> list[tuple[list[int], list[float]]]:
         """The read `values` of `top.packed`, per chain position: (ids, their draft probabilities)."""
@@ -88,12 +88,12 @@ def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: floa
     lies, and the exit is applied to the values once read (`UnreadChain.decide`) instead of stopping the loop. It
     drafts past the exit (on a GPU a one-row forward costs a replay, a read would stall the host every token); the
     tokens that stand are those `draft_chain` drafts. With the full head the whole chain is the plan's chained
-    program replayed (`StaticKVCache.chain`: nothing on the host between tokens); a draft vocabulary's head runs
+    program replayed (`fastpath.chain`: nothing on the host between tokens); a draft vocabulary's head runs
     after each pass's program."""
     start, top = state.committed, max(2, alternatives + 1)
     placed = vocab is None and isinstance(state.cache, fastpath.StaticKVCache)
     if placed:
-        packed = state.cache.chain(plan, state.pending, start, limit, nodes=alternatives + 1)
+        packed = fastpath.chain(state.cache, plan, state.pending, start, limit, nodes=alternatives + 1)
     else:
         token: torch.Tensor | np.ndarray = np.array([state.pending])
         parts = []

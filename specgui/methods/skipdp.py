@@ -178,7 +178,7 @@ def prepare(runner: Runner, cache: KVCache, units: list[Unit], budget: int) -> N
     a search of position 0 over zero states (its rows see only themselves)."""
     schedule = Schedule.of(len(units), min(budget, len(units)), set(range(len(units))))
     rows = _program_rows(cache, schedule)
-    if rows is not None and not cache.made(_key(units, schedule), rows):
+    if rows is not None and not fastpath.rows_made(cache, _key(units, schedule), rows):
         hidden = torch.zeros(2 * runner.num_layers + 1, runner.config.hidden_size, dtype=runner.dtype,
                              device=runner.device)
         search(runner, cache, 0, hidden, units, budget)

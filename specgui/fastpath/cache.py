@@ -1,0 +1,151 @@
+"""The static cache: keys and values in buffers of a capacity fixed when the run starts, and read-only views of it.
+
+Attention reads a layer's whole buffer and a mask hides what is not there; keys are written through device index
+tensors (`index_copy_`, at a bucket's write indices: `BucketInputs.update`), so one captured kernel serves every step.
+Lengths stay on the host; `crop` and `keep` work in place as in `KVCache`. Read-only passes (`view`) put their own
+keys in a scratch region past the capacity, which no other pass sees. One cache per runner, held by the runner (so
+that dropping a model frees its cache and every graph with it).
+
+The cache holds what its programs read and write at fixed addresses (the token buffer, the `readout`, each bucket's
+inputs) and the table of those programs (`Programs`), but makes none of them but its own keeper: which programs a
+pass runs is `programs`' business.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from specgui.errors import SpecGUIError
+from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
+from specgui.fastpath.program import Program, Programs, key
+from specgui.fastpath.readout import Readout
+from specgui.kvcache import KVCache, Layout, upload
+from specgui.runner import Pass, Runner
+
+SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
+KEEP = -2  # the `kind` of a keeper program (moves a step's accepted keys into place in every layer)
+
+
+class StaticKVCache(KVCache):
+    """Keys and values in buffers of `capacity` positions (plus scratch) per layer, allocated once."""
+
+    pass_type: type[Pass]  # set in `passes`: forwards over this cache run as `StaticPass`
+    chunk_rows = BUCKETS[-1]  # a causal forward over more rows runs as chunks of this many (the runner asks)
+
+    def __init__(self, runner: Runner, capacity: int) -> None:
+        super().__init__()
+        config = runner.config
+        heads = config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.runner = runner
+        self.capacity = capacity
+        self.columns = capacity + SCRATCH
+        shape = (1, heads, self.columns, head_dim)
+        device = runner.device
+        self.keys = [torch.zeros(shape, dtype=runner.dtype, device=device) for _ in range(runner.num_layers)]
+        self.values = [torch.zeros(shape, dtype=runner.dtype, device=device) for _ in range(runner.num_layers)]
+        self.lengths = [0] * runner.num_layers
+        self.inputs: dict[int, BucketInputs] = {}
+        self.readout = Readout(BUCKETS[-1], device)
+        # the token ids every whole-model forward program reads (a bucket's first rows): written by the pass's upload
+        # (`BucketInputs.load`) or on the device by a chained draft (`passes.chain`), where the next forward finds them
+        self.tokens = torch.zeros(1, BUCKETS[-1], dtype=torch.long, device=device)
+        self.programs = Programs(runner)  # last: its graphs' memory is counted from here
+
+    @property
+    def store(self) -> StaticKVCache:
+        return self
+
+    def layout(self, layer: int, rows: int) -> Layout:
+        n = self.lengths[layer]
+        if n + rows > self.capacity:
+            raise SpecGUIError(f"a forward of {rows} tokens at {n} does not fit the fast path's capacity of "
+                               f"{self.capacity} positions; use --fast-path off")
+        return Layout(n, n, self.columns)
+
+    def view(self, length: int, scratch: bool = False) -> StaticView:
+        return StaticView(self, length, scratch)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a StaticKVCache is written by fast-path passes (runner.new_pass), not directly")
+
+    def slot(self, layer: int, rows: int) -> None:
+        """No room for a one-call layer (`KVCache.slot`): fast-path passes write this cache, as `update` says."""
+        return None
+
+    def inputs_for(self, rows: int) -> BucketInputs:
+        """The persistent inputs of a bucket (made on first use); a larger forward gets its own, once."""
+        if bucket(rows) != rows:
+            return BucketInputs.empty(self, rows)
+        if rows not in self.inputs:
+            self.inputs[rows] = BucketInputs.empty(self, rows)
+        return self.inputs[rows]
+
+    def place(self, row: int, ids: torch.Tensor) -> None:
+        """Device-held token ids into the token buffer from `row` on, where the next whole-model forward reads them
+        (its upload names their rows as kept: `BucketInputs.load`)."""
+        self.tokens[0, row : row + ids.numel()].copy_(ids.reshape(-1))
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """`KVCache.keep` as one program (`keeper`): a tree's accepted keys move into place in every layer by one
+        upload and one replay, not two device operations a layer for keys and two for values."""
+        if offsets == list(range(len(offsets))):
+            self.crop(start + len(offsets))
+            return
+        n = len(offsets)
+        program = self.keeper(bucket(n) or n)
+        moves = np.full((2, program.input.shape[1]), self.capacity, dtype=np.int64)  # padding: scratch onto itself
+        moves[0, :n] = np.add(offsets, start)
+        moves[1, :n] = np.arange(start, start + n)
+        upload(program.input, moves)
+        program()
+        self.lengths = [start + n] * len(self.lengths)
+
+    def keeper(self, rows: int) -> Program:
+        """The program moving up to `rows` keys and values of every layer: from the columns in its input's first row
+        to those in its second (made at warm-up per bucket; its output is read by nobody)."""
+
+        def make() -> Program:
+            def run(moves: torch.Tensor) -> torch.Tensor:
+                for buffer in (*self.keys, *self.values):
+                    buffer.index_copy_(2, moves[1], buffer.index_select(2, moves[0]))
+                return moves[0]
+
+            example = torch.zeros(2, rows, dtype=torch.long, device=self.runner.device)
+            return Program(run, example, self.programs, True, read=False)
+
+        return self.programs.get(key(None, KEEP, rows), make)
+
+
+class StaticView:
+    """A read-only window on the first `length` positions of a `StaticKVCache`: new keys go to the scratch region,
+    or, where the caller declares the positions past the window dead (`scratch`), right after the window, as
+    `FrozenView` puts them (Fractal's kept-slot redo reads a lower pass's keys there)."""
+
+    def __init__(self, store: StaticKVCache, length: int, scratch: bool = False) -> None:
+        self.store = store
+        self.length = length
+        self.scratch = scratch
+
+    pass_type: type[Pass]  # set in `passes`
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return min(self.length, self.store.lengths[layer_idx])
+
+    def layout(self, layer: int, rows: int) -> Layout:
+        if rows > SCRATCH:
+            raise SpecGUIError(f"a read-only pass of {rows} tokens exceeds the fast path's scratch of {SCRATCH}")
+        n = self.get_seq_length(layer)
+        in_place = self.scratch and n + rows <= self.store.capacity
+        return Layout(n, n if in_place else self.store.capacity, self.store.columns)
+
+    def view(self, length: int, scratch: bool = False) -> StaticView:
+        return StaticView(self.store, min(length, self.length), scratch or self.scratch)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a StaticView is written by fast-path passes (runner.new_pass), not directly")
