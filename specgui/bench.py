@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from specgui import compiled, costs, decode, fastpath, methods
+from specgui import compiled, costs, decode, fastpath, hosttime, methods
 from specgui.costs import CostProfile, describe_origin
 from specgui.equality import first_divergence, logit_noise
 from specgui.errors import SpecGUIError
@@ -98,6 +98,7 @@ class Run:
     phase_ms: dict[str, float] = field(default_factory=dict)  # summed per phase, first repeat
     predicted_s: float = 0.0  # the cost model's price of the first repeat's steps (`Summary.predicted_s`)
     plain_s: float = 0.0  # ... and of plain steps for the same tokens
+    host: list[hosttime.StepHost] = field(default_factory=list)  # the first repeat's steps, on the fast path
     divergence: dict[str, Any] | None = None  # set by `report_json`, against baseline
     identical: bool = True
 
@@ -138,8 +139,11 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
     if method in REFERENCES:
         tokens, wall = REFERENCES[method](lm, ids, max_new, sampling)
         return Run(row.id, row.category, method, tokens, [wall], [len(tokens)])
-    result = decode.run(lm, ids, method, max_new_tokens=max_new, sampling=sampling, params=params,
-                        fast_path=fast_path)
+    kwargs = {"max_new_tokens": max_new, "sampling": sampling, "params": params, "fast_path": fast_path}
+    if fastpath.resolve(fast_path, lm.runner):  # forwards as programs: the rest of a step is the host's
+        result, host = hosttime.measured_run(lm, ids, method, **kwargs)
+    else:
+        result, host = decode.run(lm, ids, method, **kwargs), []
     s, steps = result.summary, result.steps
     phase: dict[str, float] = {"draft": s.draft_s * 1000, "verify": s.verify_s * 1000, "overhead": s.overhead_s * 1000}
     for step in steps:
@@ -149,7 +153,7 @@ def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max
                 phase[key + "_count"] = phase.get(key + "_count", 0) + 1
     return Run(row.id, row.category, method, result.token_ids, [s.wall_s], [len(result.token_ids)], steps=s.steps,
                emitted_in_steps=sum(len(st.emitted) for st in steps), drafted=s.drafted, accepted=s.accepted,
-               margins=result.margins, phase_ms=phase, predicted_s=s.predicted_s, plain_s=s.plain_s)
+               margins=result.margins, phase_ms=phase, predicted_s=s.predicted_s, plain_s=s.plain_s, host=host)
 
 
 @dataclass(frozen=True)
@@ -364,8 +368,9 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
 
 
 def _profile(group: list[Run]) -> dict[str, float]:
-    """Mean ms per verify step of each phase, and the mean of every `*_ms` / `*_ratio` payload figure per report
-    (e.g. CLaSp's DP time, Fractal's compressed-vs-full cost ratio)."""
+    """Mean ms per verify step of each phase, the mean of every `*_ms` / `*_ratio` payload figure per report
+    (e.g. CLaSp's DP time, Fractal's compressed-vs-full cost ratio), and on the fast path the medians a step of
+    the host's time and of its part a GPU waits for (`specgui.hosttime`)."""
     steps = sum(r.steps for r in group)
     totals: dict[str, float] = {}
     for r in group:
@@ -379,6 +384,8 @@ def _profile(group: list[Run]) -> dict[str, float]:
             out[f"{key}_ms_per_step"] = value / steps if steps else 0.0
         else:
             out[f"{key}_mean"] = value / max(1, totals.get(key + "_count", 1))
+    figures = hosttime.medians([step for r in group for step in r.host])
+    out.update({f"{key}_per_step": figures[key] for key in ("host_ms", "host_critical_ms") if key in figures})
     return out
 
 
@@ -429,6 +436,6 @@ def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
     if profile:
         lines += ["", "profile (ms)"]
         for name, figures in report["profile"].items():
-            text = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            text = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
             lines.append(f"  {name}: {text or '-'}")
     return "\n".join(lines)

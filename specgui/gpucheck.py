@@ -55,6 +55,11 @@ SYNC_TOKENS = 8  # new tokens per run counted by syncs_launches
 HOST_LIGHT, HOST_MS_TARGET = ("pld", "selfdraft", "lookahead"), 0.25
 EAGER_OPS_SLACK = 2  # device operations a drafting step may add to a plain step's, between its programs
 KERNELS_PER_LAYER = 10  # norm, q/k/v, rotary + cache write, attention, output, norm, gate/up, SiLU, down, add
+# A step's host time a GPU waits for (`specgui.hosttime`), at most, ms on CI's CPU kind: plain and prompt-lookup
+# steps are to chain on the device, host drafters to leave little before the next launch, layer skip a little more
+HOST_CRITICAL_MS = {"baseline": 0.05, "pld": 0.05, "selfdraft": 0.25, "lookahead": 0.25}
+HOST_CRITICAL_OTHERS_MS = 0.15  # every layer-skip method, and fractal
+HOST_MS = 1.0  # a step's whole host time, every method: it must fit under a 1.5 ms forward
 SWITCH_SLACK_BYTES = 16 * 2**20  # allocator rounding and small caches the switch may leave behind
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
@@ -558,14 +563,19 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
     tokens = 8 if opts.quick else 48
     rows, found, targets = [], {}, []
     for method in opts.methods:
-        found[method] = f = dispatch_counts(lm, method, prompts, tokens)
+        f = {**dispatch_counts(lm, method, prompts, tokens), **host_figures(lm, method, prompts, tokens)}
+        found[method] = f
         rows.append([method, f["passes"], f["programs_per_pass_max"], round(f["programs_per_pass_mean"], 2),
-                     round(f["syncs_per_token"], 2), round(f["eager_ops_per_step"], 1),
-                     ", ".join(f"{k} {v}" for k, v in sorted(f["reads"].items()))])
+                     round(f["syncs_per_token"], 2), round(f["eager_ops_per_step"], 1), round(f["host_ms"], 3),
+                     round(f["host_critical_ms"], 3), ", ".join(f"{k} {v}" for k, v in sorted(f["reads"].items()))])
         targets.append(target(f"{method}: one program per pass, at most one host read per token",
                               f"{f['programs_per_pass_max']} programs per pass at most, "
                               f"{f['syncs_per_token']:.2f} reads per token",
                               f["programs_per_pass_max"] <= 1 and f["syncs_per_token"] <= 1.0))
+        critical = HOST_CRITICAL_MS.get(method, HOST_CRITICAL_OTHERS_MS)
+        targets.append(target(f"{method}: host time a step at most {HOST_MS} ms, the part a GPU waits for at most "
+                              f"{critical} ms", f"{f['host_ms']:.3f} ms, {f['host_critical_ms']:.3f} ms waited for",
+                              f["host_ms"] <= HOST_MS and f["host_critical_ms"] <= critical))
     plain = found["baseline"]["eager_ops_per_step"]
     for method, f in found.items():
         if method != "baseline":
@@ -587,7 +597,8 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
                               f"hits {figures['second_process']['cache_hits']}, "
                               f"misses {figures['second_process']['cache_misses']}", figures["cache_reused"]))
     return table(["method", "passes", "programs/pass max", "programs/pass mean", "host reads/token",
-                  "eager ops/step", "reads by kind"], rows, targets, dispatch=found, compiled=figures,
+                  "eager ops/step", "host ms/step", "waited-for ms/step", "reads by kind"], rows, targets,
+                 dispatch=found, compiled=figures,
                  note=f"{len(prompts)} prompts x {tokens} new tokens, fast path, greedy")
 
 
@@ -604,6 +615,17 @@ def dispatch_counts(lm: LoadedModel, method: str, prompts: list[list[int]], toke
             counts.tokens += len(result.token_ids)
             counts.steps += len(result.steps)
     return counts.summary()
+
+
+def host_figures(lm: LoadedModel, method: str, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+    """`hosttime.medians` of `method`'s steps, drafting as `dispatch_counts` does (timed apart from its counting,
+    whose torch modes would be timed too), after a warm-up run."""
+    from specgui import hosttime
+
+    run = functools.partial(hosttime.measured_run, lm, method=method, fast_path="on",
+                            params=_drafting(method, gpu_like=True))
+    run(prompts[0], max_new_tokens=8)
+    return hosttime.medians([step for ids in prompts for step in run(ids, max_new_tokens=tokens)[1]])
 
 
 def compiled_figures(lm: LoadedModel) -> dict[str, Any]:
@@ -915,7 +937,8 @@ def _write(out: Path, opts: Options, sections: dict[str, dict[str, Any]], comman
                                                                      "cache_reused")}
     if dispatch.get("status") == "ok":
         report["dispatch"] = {m: {k: f[k] for k in ("programs_per_pass_max", "programs_per_pass_mean",
-                                                     "syncs_per_token", "eager_ops_per_step")}
+                                                     "syncs_per_token", "eager_ops_per_step", "host_ms",
+                                                     "host_critical_ms")}
                               for m, f in dispatch["dispatch"].items()}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
     (out / "report.md").write_text(format_markdown(report), encoding="utf-8")

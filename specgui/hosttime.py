@@ -1,0 +1,162 @@
+"""A step's host time, measured on any device: the step's wall time less the time its programs run.
+
+Why: on a GPU a forward of the embedded model takes about 1.7 ms, and what the host does in a step while the device
+waits (drafting, building the inputs, the launch, the read, accepting, the drafter's `observe`, the event and its
+text) cost as much again. Counting launches and reads (`specgui.dispatch`) shows the path, not the Python around
+each program, which is what the device waits for. So it is timed, on whatever device runs, CI's CPU included:
+
+- `host_ms`: the decode generator's own time for a step, from resuming after the event before to handing out this
+  step's (the consumer's time between events is not the loop's), less the time inside its programs
+  (`fastpath.Program.__call__`: on a CPU the call, on a GPU the replay's time on the device, from CUDA events).
+- `critical_ms`: the part of it a GPU waits for: from the moment the verdict before was readable on the host (the
+  loop's `verify` returned) to the launch of the next forward pass's first program. A loop that launches step t+1
+  before it finishes step t's host work, or before it reads step t, leaves less of it, or none.
+
+Only the fast path runs its forwards as programs: an eager forward's time would all count as host time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specgui import decode, fastpath
+from specgui.events import Step
+from specgui.loading import LoadedModel
+from specgui.runner import Runner
+
+
+@dataclass(frozen=True)
+class StepHost:
+    """One step's times, ms."""
+
+    wall_ms: float
+    program_ms: float
+    critical_ms: float
+
+    @property
+    def host_ms(self) -> float:
+        return self.wall_ms - self.program_ms
+
+
+@dataclass
+class _Recorder:
+    """The timeline of one run: program calls, verdict reads, launches, the generator's own stretches."""
+
+    cuda: bool
+    programs: list[Any] = field(default_factory=list)  # this event's: (start, end) seconds, or CUDA event pairs
+    depth: int = 0  # program calls in progress (one inside another is timed with its caller)
+    running: float | None = None  # when the generator last resumed; None while the consumer has the event
+    read_at: float | None = None  # when the last verdict became readable, until the next launch
+    gap_s: float = 0.0  # generator time from that read to now, while no launch followed it
+    critical_s: float = 0.0  # this step's: the gap its first launch closed
+    pass_open: bool = False  # a forward pass has started and not yet launched a program
+    steps: list[StepHost] = field(default_factory=list)
+    pending: list[tuple[float, list[Any], float]] = field(default_factory=list)  # steps whose CUDA times are unread
+
+    def _waited(self, now: float) -> float:
+        """Generator time since the verdict's read, within the stretch running now."""
+        return now - max(self.read_at, self.running) if self.read_at is not None and self.running is not None else 0.0
+
+    def resume(self) -> None:
+        self.running = time.perf_counter()
+
+    def pause(self, event: Any) -> None:
+        """The generator handed out `event`: a step's record closes (the generator yields once per event)."""
+        now = time.perf_counter()
+        self.gap_s += self._waited(now)
+        if isinstance(event, Step):
+            self.pending.append(((now - self.running) * 1000, self.programs, self.critical_s * 1000))
+        self.programs, self.critical_s, self.running = [], 0.0, None
+
+    def read(self) -> None:
+        self.read_at, self.gap_s = time.perf_counter(), 0.0
+
+    def launch(self, now: float) -> None:
+        if self.read_at is not None:
+            self.critical_s = self.gap_s + self._waited(now)
+            self.read_at = None
+
+    def finish(self) -> list[StepHost]:
+        """Every step's times (on CUDA once the device has run them all)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        for wall_ms, spans, critical_ms in self.pending:
+            ran = sum(a.elapsed_time(b) if self.cuda else (b - a) * 1000 for a, b in spans)
+            self.steps.append(StepHost(wall_ms=wall_ms, program_ms=ran, critical_ms=critical_ms))
+        self.pending = []
+        return self.steps
+
+
+@contextmanager
+def _recording(cuda: bool) -> Iterator[_Recorder]:
+    rec = _Recorder(cuda)
+    call, new_pass, verify = fastpath.Program.__call__, Runner.new_pass, decode.verify
+
+    def timed_call(program: fastpath.Program) -> torch.Tensor:
+        if rec.depth:
+            return call(program)
+        now = time.perf_counter()
+        if rec.pass_open:
+            rec.pass_open = False
+            rec.launch(now)
+        start = torch.cuda.Event(enable_timing=True) if cuda else now
+        if cuda:
+            start.record()
+        rec.depth += 1
+        try:
+            return call(program)
+        finally:
+            rec.depth -= 1
+            end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                end.record()
+            rec.programs.append((start, end))
+
+    def opened(runner: Runner, *args: Any, **kwargs: Any) -> Any:
+        rec.pass_open = True
+        return new_pass(runner, *args, **kwargs)
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        verdict = verify(*args, **kwargs)
+        rec.read()
+        return verdict
+
+    fastpath.Program.__call__, Runner.new_pass, decode.verify = timed_call, opened, read
+    try:
+        yield rec
+    finally:
+        fastpath.Program.__call__, Runner.new_pass, decode.verify = call, new_pass, verify
+
+
+def measured_run(lm: LoadedModel, prompt_ids: list[int], method: str, **kwargs: Any
+                 ) -> tuple[decode.Result, list[StepHost]]:
+    """`decode.run` with every step's host times (`decode.generate`'s keyword arguments)."""
+    events = []
+    with _recording(lm.runner.device.type == "cuda") as rec:
+        generator = decode.generate(lm, prompt_ids, method, **kwargs)
+        while True:
+            rec.resume()
+            try:
+                event = next(generator)
+            except StopIteration:
+                break
+            rec.pause(event)
+            events.append(event)
+        return decode.Result(events), rec.finish()
+
+
+def medians(steps: list[StepHost]) -> dict[str, float]:
+    """Medians a step: `host_ms` and `host_critical_ms` (and the wall and program times they come from)."""
+    if not steps:
+        return {}
+    return {"host_ms": statistics.median(s.host_ms for s in steps),
+            "host_critical_ms": statistics.median(s.critical_ms for s in steps),
+            "step_wall_ms": statistics.median(s.wall_ms for s in steps),
+            "program_ms": statistics.median(s.program_ms for s in steps)}
