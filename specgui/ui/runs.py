@@ -36,7 +36,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgui import costs, decode, fastpath, hosting
+from specgui import costs, decode, fastpath, hosting, progress
 from specgui.costs import CostProfile, Drift
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary
@@ -48,6 +48,7 @@ from specgui.text import Messages, encode_prompt
 METHOD, BASELINE = "method", "baseline"  # the two panes
 DEVICE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgui-device")  # see the module docstring
 FRAME_S = 0.5  # how often the page takes a batch of events: each frame costs CPU the decode could use
+CALIBRATION_TOKENS = 16  # tokens of each preset decoded at start (`calibrate`)
 MAX_REPLAY_S = 20 * 60  # a replay holds the model's queue slot: no trace may make it wait longer
 
 
@@ -243,11 +244,13 @@ def gpu_profile(lm: LoadedModel, fast: bool, measure: bool) -> tuple[CostProfile
     return costs.lookup(lm, fast, run=decode.run)
 
 
-def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int = 16) -> int:
-    """Before the first visitor, as a bench's warm-up does: decode `tokens` of plain decoding and of each (prompt ids,
-    method, parameters) on `DEVICE`, so that the app's first run is priced by a calibration (`costs.Calibration`) that
-    has seen every row count the demo presets verify, in this moment of the machine, and not by the raw profile
-    (a fresh app priced pld's first run 17% under what it measured).
+def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int = CALIBRATION_TOKENS,
+              hold: Callable[[], None] | None = None) -> int:
+    """Before the first visitor's run, as a bench's warm-up does: decode `tokens` of plain decoding and of each (prompt
+    ids, method, parameters) on `DEVICE`, so that the app's first run is priced by a calibration (`costs.Calibration`)
+    that has seen every row count the demo presets verify, in this moment of the machine, and not by the raw profile
+    (a fresh app priced pld's first run 17% under what it measured). The app does this in the background once its
+    page is up (`specgui.ui.warmup`), submitting `calibrate_here` itself; this waits for it.
 
     Every start, even where the saved profile has learnt before (a profile's check teaches it plain steps, so it
     always has): a speedup is priced by the ratio of two corrections (a verify of its rows over a plain step), and
@@ -257,15 +260,25 @@ def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]]
     on the other thread); decoded on `DEVICE` every start, the pld, selfdraft and fractal presets' first runs in two
     fresh processes were predicted within 3% of their measured speedups, overall and per step (2-core Xeon, shared).
     It takes 14 s there for the nine demo presets. Returns how many runs it decoded."""
-    return _on_device(_calibrate, lm, runs, tokens)
+    return _on_device(calibrate_here, lm, runs, tokens, hold)
 
 
 @hosting.gpu(duration=300)
-def _calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int) -> int:
-    profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner), run=decode.run)
-    for ids, method, params in runs:
-        for name, chosen in (("baseline", None), (method, params)):
-            decode.run(lm, ids, name, max_new_tokens=tokens, params=chosen, profile=profile)
+def calibrate_here(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]],
+                   tokens: int = CALIBRATION_TOKENS, hold: Callable[[], None] | None = None,
+                   on_phase: Callable[[progress.Phase], None] | None = None) -> int:
+    """`calibrate`'s work on the calling thread (it must be `DEVICE`), as one phase (`specgui.progress`) handed to
+    `on_phase`, a step a preset; `hold` is called before every preset after the first (a test's pause)."""
+    with progress.phase("calibrating the demo presets", total=len(runs)) as phase:
+        if on_phase is not None:
+            on_phase(phase)
+        profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner), run=decode.run)
+        for i, (ids, method, params) in enumerate(runs):
+            if i and hold is not None:
+                hold()
+            for name, chosen in (("baseline", None), (method, params)):
+                decode.run(lm, ids, name, max_new_tokens=tokens, params=chosen, profile=profile)
+            progress.advance(phase, method)
     return 2 * len(runs)
 
 
