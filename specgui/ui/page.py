@@ -4,8 +4,10 @@
 lays out the Live and Compare tabs and wires them. Every model-using event shares one concurrency
 group of size 1 (and `ModelStore.busy`), so runs queue instead of sharing the device, and the status
 line shows a waiting visitor's place in the queue; Stop skips the queue. A live run redraws the panes
-every frame (twice a second) and the charts every `CHART_S` seconds; once both runs are measured, the
-race replays them side by side at their recorded pace (`_race`), which is also how a trace file replays.
+every frame (twice a second) but none while a run's prompt forward runs (`Worker.batches`), and the charts
+only with the verdict (a chart is a whole figure, costly in the browser on the cores the method decodes on,
+which plain decoding's run never paid for); once both runs are measured, the race replays them side by side
+at their recorded pace (`_race`), which is also how a trace file replays.
 The race is in the same queue group: it decodes nothing, but its frames would cost another visitor's
 decode CPU time.
 
@@ -56,7 +58,6 @@ from specgui.ui.view import compare as compare_views
 
 KEEP_TRACES = 64  # runs whose trace files stay on disk (gradio serves its own copies, cleaned by delete_cache)
 GRADIO_CACHE = (3600, 3600)  # delete gradio's cached files older than an hour, hourly
-CHART_S = 4.0  # charts are whole-figure updates (costly in the browser): redraw this often mid-run
 STARTUP_S = 1.0  # the start line's redraw while the calibration runs
 RACE_FRAME_S = 0.25  # the race decodes nothing, so it can draw more often than a live run
 API_FRAME_S = 0.25  # API batches: 0.05 s cost the decode 10-13% tok/s on 2 cores (serialising), 0.25 s 1-4%
@@ -168,8 +169,11 @@ class App:
         return [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in self.presets.values()]
 
     def start_warmup(self, lm: LoadedModel) -> None:
-        """Calibrate the demo presets in the background, on the device thread (`specgui.ui.warmup`)."""
-        self.warmup.start(lm, self.preset_runs(lm))
+        """Calibrate the demo presets in the background, on the device thread (`specgui.ui.warmup`); on a GPU with
+        the fast path's cache made for the longest preset, prompt and budget, so their first runs capture nothing."""
+        presets = self.preset_runs(lm)
+        room = max(len(ids) + p.max_new_tokens for (ids, _, _), p in zip(presets, self.presets.values(), strict=True))
+        self.warmup.start(lm, presets, room)
 
     # -- layout ---------------------------------------------------------------------------------------
 
@@ -474,7 +478,6 @@ class App:
         Returns the pair to race and the status note, or None when there is nothing to race (stopped, failed)."""
         pairs: list[Pair] = []
         yield self._reset(note or "running")
-        last_charts = time.monotonic()
         token_text: TokenText | None = None
         try:
             for tick in ticks:
@@ -500,9 +503,6 @@ class App:
                         update[self.inspector] = render.step_detail(view, len(view.steps) - 1, token_text)
                     if view.fractal_layers != layers:
                         update[self.legend] = render.legend(view.fractal_layers, view.num_layers)
-                    if view.done or time.monotonic() - last_charts > CHART_S:
-                        update.update(self._method_charts(view))
-                        last_charts = time.monotonic()
                 yield update
         except Exception as exc:
             yield {self.status: render.status(_failure(exc), "error")}

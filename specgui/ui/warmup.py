@@ -69,20 +69,21 @@ class Warmup:
     def running(self) -> bool:
         return self.state == RUNNING
 
-    def start(self, lm: LoadedModel, presets: list[tuple[list[int], str, dict[str, Any]]]) -> Future:
-        """Submit the calibration of `presets` (prompt ids, method, parameters) to the device thread; return at once."""
+    def start(self, lm: LoadedModel, presets: list[tuple[list[int], str, dict[str, Any]]], room: int = 0) -> Future:
+        """Submit the calibration of `presets` (prompt ids, method, parameters) to the device thread, the fast path's
+        cache made for `room` positions (`runs.calibrate`); return at once."""
         self.state = RUNNING
         self._finished.clear()
-        self.job = runs.DEVICE.submit(contextvars.copy_context().run, self._run, lm, presets)
+        self.job = runs.DEVICE.submit(contextvars.copy_context().run, self._run, lm, presets, room)
         return self.job
 
     def skip(self, why: str) -> None:
         self.state, self.detail = SKIPPED, why
 
-    def _run(self, lm: LoadedModel, presets: list[tuple[list[int], str, dict[str, Any]]]) -> None:
+    def _run(self, lm: LoadedModel, presets: list[tuple[list[int], str, dict[str, Any]]], room: int) -> None:
         began = time.monotonic()
         try:
-            runs.calibrate_here(lm, presets, hold=self._hold, on_phase=self._started)
+            runs.calibrate_here(lm, presets, hold=self._hold, room=room, on_phase=self._started)
             self.state, self.detail = DONE, f"{len(presets)} presets in {time.monotonic() - began:.0f} s"
         except Exception as exc:  # the page still serves, priced by the raw profile, and says why
             self.state = FAILED
