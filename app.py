@@ -11,18 +11,17 @@ the deployment policy (see specgui/hosting.py).
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-# said before the imports, which take seconds on a small machine (torch, transformers, gradio)
-print("SpecGUI: starting (importing torch, transformers and gradio) …", file=sys.stderr, flush=True)
-
-import argparse  # noqa: E402
-
 # hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
-from specgui import hosting, progress  # noqa: E402
-from specgui.errors import SpecGUIError  # noqa: E402
-from specgui.ui import warmup  # noqa: E402
-from specgui.ui.page import App, launch_options, queue_options  # noqa: E402
+from specgui import hosting, progress
+
+progress.to_terminal()
+with progress.phase("starting SpecGUI: importing torch, transformers and gradio"):  # seconds on a small machine
+    from specgui.errors import SpecGUIError
+    from specgui.ui import warmup
+    from specgui.ui.page import App, launch_options, queue_options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,7 +30,6 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"skip the demo presets' calibration at start (quick restarts; also "
                              f"{warmup.NO_CALIBRATE_ENV}=1): predictions then come from the raw cost profile")
     args = parser.parse_args(argv)
-    progress.to_terminal()
     app = App()
     lm = None
     try:
@@ -39,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
             lm = app.store.get(app.default_model)
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
         print(f"warning: {exc}", file=sys.stderr)
-    demo = app.build().queue(**queue_options())
-    demo.launch(prevent_thread_lock=True, **launch_options())
+    with progress.phase("building and serving the page"):
+        demo = app.build().queue(**queue_options())
+        demo.launch(prevent_thread_lock=True, **launch_options())
     if lm is None:
         app.warmup.skip("no model loaded")
     elif args.no_calibrate or warmup.skipped_by_environment():

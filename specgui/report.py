@@ -145,7 +145,7 @@ def _startup(data: dict[str, Any]) -> list[str]:
     lines = [f"{cold}a later start took {start('warm')}. The first two races after that start, the first preset in "
              "the stage view in headless chromium:", ""]
     rows = [[n, f"`{r['method']}`", _x(r["overall"]), _x(r["predicted"]),
-             f"{r['prefill_ms']['method']:.0f} / {r['prefill_ms']['baseline']:.0f}"]
+             f"{r['prefill_ms']['method']:.0f} / {r['prefill_ms']['baseline']:.0f}" if r["prefill_ms"] else "-"]
             for n, r in enumerate(data["races"], 1)]
     return lines + _table(["race", "method", "overall", "predicted", "prompt forward ms (method / plain)"], rows)
 

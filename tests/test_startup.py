@@ -20,11 +20,12 @@ from ui_helpers import served
 
 from specgui import REPO_DIR
 from specgui.picture import chromium_path
-from specgui.ui import warmup
+from specgui.ui import controls, warmup
 
 START_TIMEOUT_S = 600  # bounds, not verdicts: a busy two-core machine took minutes to import and load
 TIMEOUT_MS = START_TIMEOUT_S * 1000
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+PRESETS = len(controls.presets(controls.examples()))  # what app.py calibrates (configs/demos.yaml)
 
 
 def free_port() -> int:
@@ -63,14 +64,14 @@ def test_app_py_serves_the_page_while_the_calibration_runs_and_says_when_it_ends
             page.goto(url + "?view=stage")
             # held after its first preset: the calibration cannot end before the release below
             page.wait_for_function("document.querySelector('#sg-startup')?.innerText.includes("
-                                   "'calibrating the demo presets: 1 of 9')", timeout=TIMEOUT_MS)
+                                   f"'calibrating the demo presets: 1 of {PRESETS}')", timeout=TIMEOUT_MS)
             assert page.locator("#sg-startup progress").is_visible()
             assert not any("calibration: done" in line for line in lines)
             release.touch()
             page.wait_for_function("document.querySelector('#sg-startup')?.innerText.includes("
-                                   "'calibrated at start: 9 presets')", timeout=TIMEOUT_MS)
+                                   f"'calibrated at start: {PRESETS} presets')", timeout=TIMEOUT_MS)
             browser.close()
-        read_until(lines, proc, "calibration: done, 9 presets in")
+        read_until(lines, proc, f"calibration: done, {PRESETS} presets in")
         output = "".join(lines)
         assert output.index("Running on") < output.index("calibrating the demo presets …")  # the page first
         assert "the page is up; calibrating the demo presets in the background" in output

@@ -76,12 +76,13 @@ def test_a_stop_while_waiting_ends_the_wait(lm):
     assert start.wait(timeout=600) and start.state == warmup.DONE
 
 
-def test_a_failed_calibration_leaves_the_raw_profile_and_says_so(lm):
+def test_a_failed_calibration_says_its_predictions_are_not_priced_by_a_finished_one(lm):
     start = warmup.Warmup()
     start.start(lm, [(PROMPT, "no-such-method", {})])
     assert start.wait(timeout=600) and start.state == warmup.FAILED
     line = html.unescape(start.line())
-    assert "the start's calibration failed (unknown method 'no-such-method'" in line and "raw cost profile" in line
+    assert "the start's calibration failed (unknown method 'no-such-method'" in line
+    assert "not by a finished calibration" in line
     assert runs.DEVICE.submit(lambda: True).result(timeout=60)  # the device thread serves on
 
 

@@ -121,8 +121,8 @@ class Warmup:
         if self.state == DONE:
             return render.status(f"calibrated at start: {self.detail}; predictions are priced by what it learnt")
         if self.state == FAILED:
-            return render.status(f"the start's calibration failed ({self.detail}): predictions come from the raw "
-                                 "cost profile", "error")
+            return render.status(f"the start's calibration failed ({self.detail}): predictions are priced by the "
+                                 "cost profile as far as it had learnt, not by a finished calibration", "error")
         if self.state == SKIPPED:
             return render.status(f"not calibrated at start ({self.detail}): predictions come from the raw cost "
                                  "profile until runs have taught it")
