@@ -1,29 +1,57 @@
 """SpecGUI app entry point: `python app.py` serves the page on http://127.0.0.1:7860 (Hugging Face Spaces too).
 
-The page lives in `specgui/ui/`; this file only loads the default model up front (so the first visitor
-does not wait for it) and launches with the page's theme and stylesheet. Set GRADIO_SERVER_NAME /
-GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL, SPECGUI_ALLOWED_MODELS and
-SPECGUI_PUBLIC set the deployment policy (see specgui/hosting.py).
+The page lives in `specgui/ui/`; this file loads the default model, launches the page at once with its theme and
+stylesheet, and only then calibrates the demo presets in the background on the device thread
+(`specgui.ui.warmup`): the page answers while it calibrates, says how far it is, and a Run pressed meanwhile waits
+for it. Every slow phase of a start prints a line and a bar (`specgui.progress`). `--no-calibrate` (or
+SPECGUI_NO_CALIBRATE=1, for a Space) skips the calibration for quick restarts. Set GRADIO_SERVER_NAME /
+GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL, SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set
+the deployment policy (see specgui/hosting.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 # hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
-from specgui import hosting  # noqa: F401  (imported for that side effect; the page reads its policy)
-from specgui.errors import SpecGUIError
-from specgui.ui import runs
-from specgui.ui.page import App, launch_options, queue_options
+from specgui import hosting, progress
+
+progress.to_terminal()
+with progress.phase("starting SpecGUI: importing torch, transformers and gradio"):  # seconds on a small machine
+    from specgui.errors import SpecGUIError
+    from specgui.ui import warmup
+    from specgui.ui.page import App, launch_options, queue_options
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve the SpecGUI page.")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help=f"skip the demo presets' calibration at start (quick restarts; also "
+                             f"{warmup.NO_CALIBRATE_ENV}=1): predictions then come from the raw cost profile")
+    args = parser.parse_args(argv)
     app = App()
+    lm = None
     try:
-        lm = app.store.get(app.default_model)
-        # the demo presets' first runs priced as well as a bench's: a warm-up of each, as a bench's (`runs.calibrate`)
-        runs.calibrate(lm, [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in app.presets.values()])
+        with progress.phase(f"loading the default model ({app.default_model})"):
+            lm = app.store.get(app.default_model)
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
-        print(f"warning: {exc}")
-    app.build().queue(**queue_options()).launch(**launch_options())
+        print(f"warning: {exc}", file=sys.stderr)
+    with progress.phase("building and serving the page"):
+        demo = app.build().queue(**queue_options())
+        demo.launch(prevent_thread_lock=True, **launch_options())
+    if lm is None:
+        app.warmup.skip("no model loaded")
+    elif args.no_calibrate or warmup.skipped_by_environment():
+        app.warmup.skip("--no-calibrate" if args.no_calibrate else f"{warmup.NO_CALIBRATE_ENV} is set")
+    else:
+        where = " inside a ZeroGPU call" if hosting.on_zero_gpu() else ""
+        print(f"the page is up; calibrating the demo presets in the background{where} (a Run waits for it)",
+              file=sys.stderr, flush=True)
+        app.start_warmup(lm)
+        app.warmup.job.add_done_callback(lambda _: print(f"calibration: {app.warmup.state}, {app.warmup.detail}",
+                                                         file=sys.stderr, flush=True))
+    demo.block_thread()
 
 
 if __name__ == "__main__":

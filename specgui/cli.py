@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     shot.add_argument("--out", default="assets/stage-race.png", metavar="FILE.png")
     shot.add_argument("--preset", default=None, help="a demo preset's name (default: the first)")
 
+    first = sub.add_parser("first-minute", help="time app.py's cold and warm starts and its first two races in "
+                           "headless chromium (results/<machine>/startup.json)")
+    first.add_argument("--port", type=int, default=7870, help="where the measured app listens")
+    first.add_argument("--cache", default=None, help="a cache folder to start on (default: a fresh one); with it the "
+                       "cold start is left out unless it is empty")
+    _output_args(first, "startup")
+
     rep = sub.add_parser("report", help="render results/*.json into README.md and docs/ between report markers")
     rep.add_argument("--check", action="store_true", help="change nothing; exit 1 if a rendered block is stale")
     return parser
@@ -393,6 +400,16 @@ def cmd_stage_picture(args: argparse.Namespace) -> None:
     print(f"saved {picture.take(Path(args.out), args.preset)}")
 
 
+def cmd_first_minute(args: argparse.Namespace) -> None:
+    from specgui import firstminute, results
+
+    results.writable(args.json)
+    cache = Path(args.cache) if args.cache else None
+    cold = cache is None or not (cache.is_dir() and any(cache.iterdir()))
+    data = {"provenance": results.provenance("cpu", args.argv), **firstminute.measure(cache, args.port, cold)}
+    results.write("startup", data, "cpu", args.json, args.save)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from specgui import report
 
@@ -409,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]  # a result's provenance names the command
         commands = {"generate": cmd_generate, "bench": cmd_bench, "presets": cmd_presets, "methods": cmd_methods,
                     "profile": cmd_profile, "dv-search": cmd_dv_search, "gpucheck": cmd_gpucheck,
-                    "suite-time": cmd_suite_time, "stage-picture": cmd_stage_picture, "report": cmd_report}
+                    "suite-time": cmd_suite_time, "stage-picture": cmd_stage_picture, "report": cmd_report,
+                    "first-minute": cmd_first_minute}
         status = commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from specgui import __version__, cpu_layers, fastpath
+from specgui import __version__, cpu_layers, fastpath, progress
 from specgui.cachedir import cache_root, exclusive
 from specgui.kernels import build, cpu_name, signature, simd
 from specgui.kvcache import KVCache
@@ -499,7 +499,8 @@ def check(lm: Any, profile: CostProfile, *, run: Decode | None = None) -> Drift:
     context) beside the profile's plain step."""
     vocab = int(lm.runner.config.vocab_size)
     prompt = torch.randint(0, vocab, (profile.contexts[0],), generator=torch.Generator().manual_seed(0)).tolist()
-    return Drift(profile.step, _plain_step_ms(lm, prompt, profile, run=run, rounds=2, new_tokens=4))
+    with progress.phase("checking the saved cost profile against a few plain steps"):
+        return Drift(profile.step, _plain_step_ms(lm, prompt, profile, run=run, rounds=2, new_tokens=4))
 
 
 def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfile:
@@ -510,6 +511,15 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
     contexts = sorted({min(c, room) for c in CONTEXTS})
     vocab = int(runner.config.vocab_size)
     tokens = torch.randint(0, vocab, (contexts[-1] + SIZES[-1],), generator=torch.Generator().manual_seed(0))
+    with progress.phase(f"measuring the cost profile of {lm.name} on this machine (once per machine and code)",
+                        total=len(contexts) + 2) as phase:
+        return _measure(lm, fast_path, run, contexts, tokens, phase, started)
+
+
+def _measure(lm: Any, fast_path: bool, run: Decode | None, contexts: list[int], tokens: torch.Tensor,
+             phase: progress.Phase, started: float) -> CostProfile:
+    """`measure`'s forwards, sub-layers and plain step, each a step of its `phase`."""
+    runner = lm.runner
     sync = _sync(runner.device)
     forward: list[list[float]] = []
     if fast_path:  # the cache for the longest context first: every context then shares it, and its captures
@@ -521,12 +531,15 @@ def measure(lm: Any, fast_path: bool, *, run: Decode | None = None) -> CostProfi
             calls = [lambda t=t, c=c, cache=cache: runner.forward(tokens[c : c + t], torch.arange(c, c + t),
                                                                     cache.view(c)) for t in SIZES]
             forward.append(_medians_ms(calls, sync))
+            progress.advance(phase, f"forwards at {c} cached tokens")
             if c == contexts[0]:
                 one_token = calls[0]  # a one-token forward at the short context: what a plain step is timed beside
         attn, mlp, head = _sublayers(runner, tokens, contexts[0], sync, fast_path)
+        progress.advance(phase, "sub-layers and head")
     profile = CostProfile(key=profile_key(lm, fast_path), sizes=list(SIZES), contexts=contexts, forward=forward,
                           step=0.0, attn=attn, mlp=mlp, head=head)
     profile.step = _plain_step_ms(lm, tokens[: contexts[0]].tolist(), profile, run=run, beside=one_token)
+    progress.advance(phase, "a plain step")
     profile.measure_s = time.perf_counter() - started
     profile.measured_at = time.time()
     return profile

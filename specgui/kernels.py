@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specgui import progress
 from specgui.cachedir import cache_root, exclusive
 from specgui.errors import SpecGUIError
 
@@ -125,8 +126,11 @@ def _tables(shapes: dict[Shape, list[nn.Linear]], offered: tuple[str, ...],
         with exclusive(saved_path) if saved_path is not None else contextlib.nullcontext():
             saved = _read_choices(saved_path, offered)  # another process may have measured them meanwhile
             missing = [shape for shape in shapes if key(shape) not in saved]
-            for shape in missing:
-                saved[key(shape)] = choose(shapes[shape], offered)
+            with progress.phase("choosing the matmul form of each weight shape (once per CPU)",
+                                total=len(missing)) as phase:
+                for shape in missing:
+                    saved[key(shape)] = choose(shapes[shape], offered)
+                    progress.advance(phase, key(shape))
             if saved_path is not None and missing:
                 _write_choices(saved_path, saved)
     return {shape: saved[key(shape)] for shape in shapes}
@@ -308,7 +312,9 @@ def skinny_library() -> ctypes.CDLL | None:
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *_cflags(), str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        with progress.phase(f"building the C kernel ({SOURCE.name}, {SIMD_LABELS[form]}), once per source"):
+            done = subprocess.run([compiler, *_cflags(), str(SOURCE), "-o", str(partial)], capture_output=True,
+                                  text=True)
         if done.returncode != 0:
             LOG.warning("the skinny matmul kernel did not build: %s", done.stderr.strip().splitlines()[-1:])
             return None

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specgui import arena, cpu_layers, kernels
+from specgui import arena, cpu_layers, kernels, progress
 from specgui.cachedir import cache_root
 from specgui.errors import SpecGUIError
 from specgui.runner import Runner
@@ -194,11 +194,16 @@ def _load_embedded(dtype: torch.dtype):
             return model, AutoTokenizer.from_pretrained(cached), "gguf (cached)"
         except (OSError, ValueError):
             shutil.rmtree(cached, ignore_errors=True)  # a damaged cache is rebuilt below
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _save_converted(model, tokenizer, cached)
+    with progress.phase(f"converting the embedded GGUF to safetensors under {cached.parent} (once; later starts "
+                        "read it back)", total=3) as phase:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        progress.advance(phase, "weights dequantised")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        progress.advance(phase, "tokenizer read")
+        _save_converted(model, tokenizer, cached)
+        progress.advance(phase, "saved")
     return model.to(dtype), tokenizer, "gguf (converted)"
 
 

@@ -46,7 +46,7 @@ def take(out: Path, preset: str | None = None) -> Path:
     if name not in app.presets:
         raise SpecGUIError(f"unknown preset {name!r}: choose from {', '.join(app.presets)}")
     lm = app.store.get(app.default_model)
-    runs.calibrate(lm, [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in app.presets.values()])
+    runs.calibrate(lm, app.preset_runs(lm))
     with served_locally(app) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])

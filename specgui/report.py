@@ -135,9 +135,25 @@ def _dispatch(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _startup(data: dict[str, Any]) -> list[str]:
+    def start(kind: str) -> str:
+        t = data[kind]
+        return f"{t['running_s']:.0f} s to the page's \"Running on\" and {t['calibrated_s']:.0f} s to the end of " \
+            "its calibration"
+
+    cold = (f"From a fresh cache folder (the GGUF converted, the C kernel built, the cost profile measured) a first "
+            f"start took {start('cold')}; ") if "cold" in data else ""
+    lines = [f"{cold}a later start took {start('warm')}. The first two races after that start, the first preset in "
+             "the stage view in headless chromium:", ""]
+    rows = [[n, f"`{r['method']}`", _x(r["overall"]), _x(r["predicted"]),
+             f"{r['prefill_ms']['method']:.0f} / {r['prefill_ms']['baseline']:.0f}" if r["prefill_ms"] else "-"]
+            for n, r in enumerate(data["races"], 1)]
+    return lines + _table(["race", "method", "overall", "predicted", "prompt forward ms (method / plain)"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "heldout": _heldout, "presets": _presets, "profile": _profile, "suite": _suite, "gpucheck": _gpucheck,
-    "floors": _gpucheck, "dispatch": _dispatch}
+    "floors": _gpucheck, "dispatch": _dispatch, "startup": _startup}
 COMMANDS = {  # what to run where a block has no JSON yet
     "heldout": "python -m specgui bench --prompts assets/heldout.jsonl --limit 1 --repeats 3 --max-new-tokens 64 "
                "--methods baseline,hf-generate,pld,clasp,admg,selfdraft,fractal,swift,dv,lookahead --save",
@@ -147,6 +163,7 @@ COMMANDS = {  # what to run where a block has no JSON yet
     "floors": "python -m specgui gpucheck --sections floors --out out/floors --save",
     "dispatch": "python -m specgui gpucheck --sections dispatch --device cpu --out out/dispatch --save",
     "suite": "python -m specgui suite-time --save",
+    "startup": "python -m specgui first-minute --save",
 }
 
 

@@ -25,7 +25,7 @@ from specgui import REPO_DIR
 from specgui.errors import SpecGUIError
 
 RESULTS_DIR = REPO_DIR / "results"
-KINDS = ("heldout", "presets", "profile", "gpucheck", "floors", "dispatch", "suite")
+KINDS = ("heldout", "presets", "profile", "gpucheck", "floors", "dispatch", "suite", "startup")
 TEST_COMMAND = re.compile(r"<!-- test-command -->\s*```[^\n]*\n(?P<command>.*?)\n```", re.S)
 
 

@@ -69,6 +69,7 @@ def suite_sample(suite, embedded_lm):
 # file is one unit of work, and xdist by default hands out the files with the most tests first, which put the
 # 350 s test_lossless.py fifth and let the two workers end ~15 s apart. The rest follow in collection order.
 LONG_FILES = ("test_lossless.py",  # 350
+              "test_startup.py",  # 448 on a two-core machine three processes shared (app.py calibrates 9 presets)
               "test_fastpath.py",  # 145
               "test_browser.py",  # 110
               "test_app_e2e.py",  # 48

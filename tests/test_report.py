@@ -186,3 +186,16 @@ def test_a_run_of_a_forced_vector_form_has_a_folder_of_its_own_and_renders_only_
     finally:
         monkeypatch.undo()
         kernels.reset()
+
+
+def test_the_first_start_paragraph_states_both_starts_and_each_race_beside_its_prediction(tmp_path):
+    race = {"method": "pld", "overall": 2.3, "predicted": 2.4, "per_step": 2.5,
+            "prefill_ms": {"method": 700.0, "baseline": 680.0}}
+    write(tmp_path / "cpu-a-2c", "startup", {"cold": {"running_s": 95.2, "calibrated_s": 140.0},
+                                             "warm": {"running_s": 9.6, "calibrated_s": 31.0}, "races": [race, race]})
+    text = report.render("startup", tmp_path)
+    assert text.startswith("From a fresh cache folder (the GGUF converted, the C kernel built, the cost profile "
+                           'measured) a first start took 95 s to the page\'s "Running on" and 140 s to the end of its '
+                           'calibration; a later start took 10 s to the page\'s "Running on" and 31 s')
+    assert "| 1 | `pld` | 2.30× | 2.40× | 700 / 680 |" in text and "| 2 | `pld` |" in text
+    assert "python -m specgui first-minute" in report.COMMANDS["startup"]

@@ -255,3 +255,16 @@ def test_a_stale_saved_profile_prices_the_run_with_a_notice_and_is_measured_agai
     assert again["measured_at"] > 1.0 and again["step"] != honest.step * 8  # replaced on disk
     assert costs.profile_for(lm, fast_path=False).measured_at == again["measured_at"]  # and held for the next run
     assert device_free() and not store.busy.locked()
+
+
+def test_a_live_run_hands_over_nothing_while_its_prompt_forward_runs():
+    """The page draws no frame during a prompt forward (`after_prefill`): its first batch holds the Prefill, even when
+    the Start came many frames earlier; the API's batches (without it) hand the Start over on its own."""
+    def source(should_stop):
+        yield start()
+        time.sleep(0.2)  # a prompt forward twenty frames long
+        yield prefill()
+
+    first = next(Worker(source, threading.Event()).batches(0.01, after_prefill=True))
+    assert [type(e).__name__ for e in first] == ["Start", "Prefill"]
+    assert [type(e).__name__ for e in next(Worker(source, threading.Event()).batches(0.01))] == ["Start"]

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specgui import ASSETS_DIR, hosting
+from specgui import ASSETS_DIR, hosting, progress
 from specgui.cachedir import cache_root, exclusive
 from specgui.config import build_params
 from specgui.costs import CostProfile
@@ -284,10 +284,13 @@ def load_or_search(runner: Runner, tokenizer: Any, params: DvParams, profile: Co
         if found is not None:
             return found, True
         ids = calibration_ids(params.calibration)
-        with torch.inference_mode():
+        with progress.phase("searching dv's skip set for this model (once; cached beside the weights)",
+                            total=2) as phase, torch.inference_mode():
             samples = calibrate(runner, tokenizer, ids, params.calibration_tokens, params.draft_vocab)
+            progress.advance(phase, "samples decoded")
             head = head_ms(profile, runner, params.draft_vocab) if samples[0].vocab is not None else None
             result = search(runner, samples, params, Costs.of(profile, samples[0].prefix, params.max_draft, head))
+            progress.advance(phase, "searched")
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"format": CACHE_FORMAT, **asdict(result)}), encoding="utf-8")
         tmp.replace(path)

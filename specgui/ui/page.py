@@ -4,8 +4,10 @@
 lays out the Live and Compare tabs and wires them. Every model-using event shares one concurrency
 group of size 1 (and `ModelStore.busy`), so runs queue instead of sharing the device, and the status
 line shows a waiting visitor's place in the queue; Stop skips the queue. A live run redraws the panes
-every frame (twice a second) and the charts every `CHART_S` seconds; once both runs are measured, the
-race replays them side by side at their recorded pace (`_race`), which is also how a trace file replays.
+every frame (twice a second) but none while a run's prompt forward runs (`Worker.batches`), and the charts
+only with the verdict (a chart is a whole figure, costly in the browser on the cores the method decodes on,
+which plain decoding's run never paid for); once both runs are measured, the race replays them side by side
+at their recorded pace (`_race`), which is also how a trace file replays.
 The race is in the same queue group: it decodes nothing, but its frames would cost another visitor's
 decode CPU time.
 
@@ -49,14 +51,14 @@ from specgui.loading import EMBEDDED, EMBEDDED_NAME, LoadedModel, resolve_device
 from specgui.prompts import load_prompts
 from specgui.sampling import Sampling
 from specgui.text import encode_prompt
-from specgui.ui import charts, compare, controls, diffs, render, runs
+from specgui.ui import charts, compare, controls, diffs, render, runs, warmup
 from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, Tick, Worker
 from specgui.ui.view import RunView, TokenText, comparable, median_index, spread, why
 from specgui.ui.view import compare as compare_views
 
 KEEP_TRACES = 64  # runs whose trace files stay on disk (gradio serves its own copies, cleaned by delete_cache)
 GRADIO_CACHE = (3600, 3600)  # delete gradio's cached files older than an hour, hourly
-CHART_S = 4.0  # charts are whole-figure updates (costly in the browser): redraw this often mid-run
+STARTUP_S = 1.0  # the start line's redraw while the calibration runs
 RACE_FRAME_S = 0.25  # the race decodes nothing, so it can draw more often than a live run
 API_FRAME_S = 0.25  # API batches: 0.05 s cost the decode 10-13% tok/s on 2 cores (serialising), 0.25 s 1-4%
 MAX_REPEATS = 5
@@ -157,9 +159,21 @@ class App:
         if self.kernel_note:
             LOG.warning(self.kernel_note)
         self.defaults = decoding_defaults()
+        self.warmup = warmup.Warmup()  # the demo presets' calibration, started by app.py once the page is up
         self.trace_root = Path(tempfile.mkdtemp(prefix="specgui-traces-"))
         # removed with the app, or when the process exits (a test session built ~30 apps and left their folders)
         weakref.finalize(self, shutil.rmtree, str(self.trace_root), True)
+
+    def preset_runs(self, lm: LoadedModel) -> list[tuple[list[int], str, dict[str, Any]]]:
+        """Each demo preset as the calibration decodes it: (prompt ids, method, parameters)."""
+        return [(p.example.row.encode(lm.tokenizer), p.method, p.params) for p in self.presets.values()]
+
+    def start_warmup(self, lm: LoadedModel) -> None:
+        """Calibrate the demo presets in the background, on the device thread (`specgui.ui.warmup`); on a GPU with
+        the fast path's cache made for the longest preset, prompt and budget, so their first runs capture nothing."""
+        presets = self.preset_runs(lm)
+        room = max(len(ids) + p.max_new_tokens for (ids, _, _), p in zip(presets, self.presets.values(), strict=True))
+        self.warmup.start(lm, presets, room)
 
     # -- layout ---------------------------------------------------------------------------------------
 
@@ -208,6 +222,9 @@ class App:
                 self._settings(first)
             with gr.Column(scale=3, elem_id="sg-main"):
                 self.status = gr.HTML(render.status(f"Ready. {self.kernel_note}".strip()), elem_id="sg-status")
+                # the start's calibration: read at every page load, redrawn each second while it runs
+                self.startup = gr.HTML(lambda: self.warmup.line(), elem_id="sg-startup")
+                self.startup_timer = gr.Timer(STARTUP_S)
                 with gr.Row(elem_id="sg-legend-row"):
                     self.legend = gr.HTML(render.legend(), elem_id="sg-legend")
                     self.show_rejected = gr.Checkbox(True, label="show rejected drafts inline", scale=0,
@@ -296,6 +313,8 @@ class App:
                                  api_name="page_replay", **queued)
         self.stop_button.click(self.stop, None, None, api_name="page_stop", **private)
         self.step.change(self.inspect, [self.step, self.views], self.inspector, show_progress="hidden", **private)
+        self.startup_timer.tick(self._startup_tick, None, [self.startup, self.startup_timer], show_progress="hidden",
+                                **private)
 
     def _compare_tab(self) -> None:
         rows = load_prompts()
@@ -363,6 +382,10 @@ class App:
         values = self.panel.presets(self._preset_model(str(model or "")), self.device, preset.method, preset.params)
         return preset.method, preset.example.label, preset.example.row.preview, preset.max_new_tokens, *values
 
+    def _startup_tick(self) -> tuple[str, gr.Timer]:
+        """The start line now; the timer stops once the calibration is not running."""
+        return self.warmup.line(), gr.Timer(active=self.warmup.running)
+
     def stop(self, request: gr.Request = None) -> None:
         self.stops.stop(_session(request))
 
@@ -409,6 +432,12 @@ class App:
             yield {self.status: render.status(_failure(exc), "error")}
             return
         stop = self.stops.fresh(session)
+        for tick in self.warmup.ticks(stop):  # a Run pressed while the start calibrates waits for it, and says so
+            note = " · ".join(filter(None, (note, tick.note)))
+            yield {self.status: render.status(tick.status, "busy")}
+        if stop.is_set():
+            yield {self.status: render.status("stopped")}
+            return
         measured = yield from self._live(runs.live(self.store, self.cache, req, stop), note, req.repeats)
         if measured is not None:
             yield from self._race(*measured, speed, stop)
@@ -450,7 +479,6 @@ class App:
         Returns the pair to race and the status note, or None when there is nothing to race (stopped, failed)."""
         pairs: list[Pair] = []
         yield self._reset(note or "running")
-        last_charts = time.monotonic()
         token_text: TokenText | None = None
         try:
             for tick in ticks:
@@ -476,9 +504,6 @@ class App:
                         update[self.inspector] = render.step_detail(view, len(view.steps) - 1, token_text)
                     if view.fractal_layers != layers:
                         update[self.legend] = render.legend(view.fractal_layers, view.num_layers)
-                    if view.done or time.monotonic() - last_charts > CHART_S:
-                        update.update(self._method_charts(view))
-                        last_charts = time.monotonic()
                 yield update
         except Exception as exc:
             yield {self.status: render.status(_failure(exc), "error")}
@@ -678,6 +703,7 @@ class App:
                                  max_new_tokens=chosen.max_new_tokens, sampling=Sampling(), params=chosen.params,
                                  model=self._checked_model(""), prompt_text=example.row.preview)
             pair = _pair()
+            self.warmup.wait()  # priced by the start's finished calibration, as a Run is
             for tick in runs.live(self.store, self.cache, request, threading.Event()):
                 pair[tick.pane].extend(tick.events)
             method, baseline = pair[METHOD], pair[BASELINE]

@@ -44,6 +44,12 @@ def status(message: str, kind: str = "info") -> str:
     return f'<div class="sg-status sg-status-{esc(kind)}">{esc(message)}</div>'
 
 
+def progress_line(message: str, done: int, total: int | None) -> str:
+    """A busy status line with a bar of `done` of `total` steps (no bar when the total is not known)."""
+    bar = f'<progress class="sg-progress" value="{done}" max="{total}"></progress>' if total else ""
+    return f'<div class="sg-status sg-status-busy">{bar}{esc(message)}</div>'
+
+
 def legend(fractal_layers: list[int] | tuple[int, ...] = (), num_layers: int = 0) -> str:
     """The colour key for token kinds (and fractal tints when a run has them, with the layer numbering)."""
     chips = [f'<span class="sg-tok sg-{kind}" title="{esc(KIND_HELP[kind])}">{esc(label)}</span>'

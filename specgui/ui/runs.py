@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import math
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgui import costs, decode, fastpath, hosting
+from specgui import costs, decode, fastpath, hosting, progress
 from specgui.costs import CostProfile, Drift
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary
@@ -48,6 +49,7 @@ from specgui.text import Messages, encode_prompt
 METHOD, BASELINE = "method", "baseline"  # the two panes
 DEVICE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgui-device")  # see the module docstring
 FRAME_S = 0.5  # how often the page takes a batch of events: each frame costs CPU the decode could use
+CALIBRATION_TOKENS = 16  # tokens of each preset decoded at start (`calibrate`)
 MAX_REPLAY_S = 20 * 60  # a replay holds the model's queue slot: no trace may make it wait longer
 
 
@@ -178,11 +180,14 @@ class Worker:
         finally:
             self._queue.put(_DONE)
 
-    def batches(self, interval: float = FRAME_S) -> Iterator[list[Event]]:
-        """Lists of new events, at most one list per `interval` seconds, until the source is exhausted."""
+    def batches(self, interval: float = FRAME_S, after_prefill: bool = False) -> Iterator[list[Event]]:
+        """Lists of new events, at most one list per `interval` seconds, until the source is exhausted. With
+        `after_prefill`, none before the prompt forward is done: a frame drawn meanwhile (the page's work and the
+        browser's, on the same cores) slowed a first race's prompt forward, which is counted in its speedup."""
+        ready = not after_prefill
+        batch: list[Event] = []
         try:
             while True:
-                batch: list[Event] = []
                 deadline = time.monotonic() + interval
                 while True:
                     try:
@@ -197,8 +202,10 @@ class Worker:
                         raise item
                     batch.append(item)
                     self.events.append(item)
-                if batch:
+                    ready = ready or isinstance(item, Prefill)
+                if batch and ready:
                     yield batch
+                    batch = []
         finally:
             self.close()
 
@@ -243,11 +250,13 @@ def gpu_profile(lm: LoadedModel, fast: bool, measure: bool) -> tuple[CostProfile
     return costs.lookup(lm, fast, run=decode.run)
 
 
-def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int = 16) -> int:
-    """Before the first visitor, as a bench's warm-up does: decode `tokens` of plain decoding and of each (prompt ids,
-    method, parameters) on `DEVICE`, so that the app's first run is priced by a calibration (`costs.Calibration`) that
-    has seen every row count the demo presets verify, in this moment of the machine, and not by the raw profile
-    (a fresh app priced pld's first run 17% under what it measured).
+def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int = CALIBRATION_TOKENS,
+              hold: Callable[[], None] | None = None, room: int = 0) -> int:
+    """Before the first visitor's run, as a bench's warm-up does: decode `tokens` of plain decoding and of each (prompt
+    ids, method, parameters) on `DEVICE`, so that the app's first run is priced by a calibration (`costs.Calibration`)
+    that has seen every row count the demo presets verify, in this moment of the machine, and not by the raw profile
+    (a fresh app priced pld's first run 17% under what it measured). The app does this in the background once its
+    page is up (`specgui.ui.warmup`), submitting `calibrate_here` itself; this waits for it.
 
     Every start, even where the saved profile has learnt before (a profile's check teaches it plain steps, so it
     always has): a speedup is priced by the ratio of two corrections (a verify of its rows over a plain step), and
@@ -256,16 +265,38 @@ def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]]
     under its measured speedup (its 6-row verifies then took 40 ms instead of 28, priced against plain steps timed
     on the other thread); decoded on `DEVICE` every start, the pld, selfdraft and fractal presets' first runs in two
     fresh processes were predicted within 3% of their measured speedups, overall and per step (2-core Xeon, shared).
-    It takes 14 s there for the nine demo presets. Returns how many runs it decoded."""
-    return _on_device(_calibrate, lm, runs, tokens)
+    It takes 14 s there for the nine demo presets. Returns how many runs it decoded.
+
+    On the fast path (a GPU) the same runs make every program the presets' methods use (`fastpath.warm_up` at the
+    cache's making, a method's pieces, plans and hooks as it sets up), and the cache is first made with `room`
+    positions (the longest preset's prompt and budget), so that a visitor's first run of a preset replays programs
+    and captures none (a larger cache would capture them all again)."""
+    return _on_device(calibrate_here, lm, runs, tokens, hold, room)
 
 
 @hosting.gpu(duration=300)
-def _calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]], tokens: int) -> int:
-    profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner), run=decode.run)
-    for ids, method, params in runs:
-        for name, chosen in (("baseline", None), (method, params)):
-            decode.run(lm, ids, name, max_new_tokens=tokens, params=chosen, profile=profile)
+def calibrate_here(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]],
+                   tokens: int = CALIBRATION_TOKENS, hold: Callable[[], None] | None = None, room: int = 0,
+                   on_phase: Callable[[progress.Phase], None] | None = None) -> int:
+    """`calibrate`'s work on the calling thread (it must be `DEVICE`), as one phase (`specgui.progress`) handed to
+    `on_phase`, a step a preset; `hold` is called before every preset after the first (a test's pause)."""
+    static = fastpath.resolve("auto", lm.runner)
+    with progress.phase("calibrating the demo presets", total=len(runs)) as phase:
+        if on_phase is not None:
+            on_phase(phase)
+        if static:  # a CPU has no fast path by default: nothing to capture
+            with progress.phase("compiling and capturing the fast path's plain programs") as capture:
+                progress.advance(capture, f"{len(fastpath.cache_for(lm.runner, room).programs)} programs")
+        profile = costs.profile_for(lm, static, run=decode.run)
+        for i, (ids, method, params) in enumerate(runs):
+            if i and hold is not None:
+                hold()
+            for name, chosen in (("baseline", None), (method, params)):
+                decode.run(lm, ids, name, max_new_tokens=tokens, params=chosen, profile=profile)
+            progress.advance(phase, method)
+        if static:
+            print(f"the fast path holds {len(lm.runner.static_cache.programs)} programs for the presets' methods",
+                  file=sys.stderr, flush=True)
     return 2 * len(runs)
 
 
@@ -316,7 +347,7 @@ def fit_context(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> tuple[i
 
 
 def _ticks(worker: Worker, pane: str, repeat: int) -> Iterator[Tick]:
-    with closing(worker.batches()) as batches:  # closing this generator closes the worker too
+    with closing(worker.batches(after_prefill=True)) as batches:  # closing this generator closes the worker too
         for batch in batches:
             yield Tick(pane, batch, repeat=repeat)
 
