@@ -113,6 +113,7 @@ def races(url: str, count: int = 2) -> list[dict[str, Any]]:
         page.set_default_timeout(RUN_TIMEOUT_MS)
         page.goto(url + "?view=stage")
         page.wait_for_selector("#run")
+        page.wait_for_selector("#sg-status .sg-status", state="attached")  # gradio mounts the HTML after the button
         for _ in range(count):
             page.evaluate("document.querySelector('#sg-status .sg-status').dataset.old = '1'")
             page.click("#run")
