@@ -134,12 +134,13 @@ def preparation_line(note: dict[str, Any]) -> str:
 
 
 def run_method(lm: LoadedModel, row: PromptRow, ids: list[int], method: str, max_new: int, sampling: Sampling,
-               params: dict[str, Any] | None, fast_path: str = "auto") -> Run:
-    """One run of one method on one prompt."""
+               params: dict[str, Any] | None, fast_path: str = "auto", pipeline: bool = True) -> Run:
+    """One run of one method on one prompt (`pipeline`: `decode.generate`'s)."""
     if method in REFERENCES:
         tokens, wall = REFERENCES[method](lm, ids, max_new, sampling)
         return Run(row.id, row.category, method, tokens, [wall], [len(tokens)])
-    kwargs = {"max_new_tokens": max_new, "sampling": sampling, "params": params, "fast_path": fast_path}
+    kwargs = {"max_new_tokens": max_new, "sampling": sampling, "params": params, "fast_path": fast_path,
+              "pipeline": pipeline}
     if fastpath.resolve(fast_path, lm.runner):  # forwards as programs: the rest of a step is the host's
         result, host = hosttime.measured_run(lm, ids, method, **kwargs)
     else:
@@ -165,6 +166,7 @@ class Settings:
     sampling: Sampling = GREEDY
     fast_path: str = "auto"
     compile: str = "auto"  # the fast path's programs compiled (`specgui.compiled`)
+    pipeline: bool = True  # a step's event goes out while the next step's forward runs (`decode.generate`)
 
 
 def bench(
@@ -206,7 +208,7 @@ def bench(
     for entry in entries:  # warm-up, excluded (on the fast path it also captures the graphs)
         untimed(f"{entry.label} warmed up", lambda entry=entry: run_method(
             lm, rows[0], encoded[0], entry.method, min(16, settings.max_new_tokens), settings.sampling,
-            entry.params, settings.fast_path))
+            entry.params, settings.fast_path, settings.pipeline))
     if "hf-static" in {e.method for e in entries} and lm.runner.device.type == "cuda":
         # transformers compiles a static cache's step per cache length (prompt + new tokens) on a GPU: warmed on
         # every prompt at the timed length, or the compile would be timed as its decoding
@@ -222,7 +224,7 @@ def bench(
             shift = (i + repeat) % len(entries)
             for entry in entries[shift:] + entries[:shift]:
                 run = run_method(lm, row, ids, entry.method, settings.max_new_tokens, settings.sampling,
-                                 entry.params, settings.fast_path)
+                                 entry.params, settings.fast_path, settings.pipeline)
                 key = (row.id, entry.label)
                 if key in runs:
                     runs[key].walls.extend(run.walls)
@@ -339,6 +341,7 @@ def report_json(lm: LoadedModel, rows: list[PromptRow], entries: list[Entry], ru
     report: dict[str, Any] = {
         "model": lm.name, "device": str(lm.runner.device), "dtype": str(lm.runner.dtype).removeprefix("torch."),
         "fast_path": profile.key["fast_path"], "compiled": bool(profile.key.get("compiled")),
+        "pipeline": settings.pipeline,
         "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
         "sampling": sampling.to_dict(), "prompts": len(rows), "complete": complete, "logit_noise": noise,
         "methods": {}, "categories": {}, "per_prompt": [], "profile": {}, "cost_profile": _profile_json(profile),
@@ -392,6 +395,7 @@ def _profile(group: list[Run]) -> dict[str, float]:
 def format_report(report: dict[str, Any], *, profile: bool = False) -> str:
     """Plain-text tables: per method, per category, divergences (and phase profile)."""
     path = ("fast path, compiled" if report.get("compiled") else "fast path") if report["fast_path"] else "eager"
+    path += "" if report.get("pipeline", True) else ", serial steps"
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}, {path}), {report['prompts']} "
              f"prompts, max {report['max_new_tokens']} new tokens, {report['repeats']} repeat(s) paired by round, "
              f"temperature {report['sampling']['temperature']}",

@@ -56,6 +56,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=defaults["top_p"])
     p.add_argument("--top-k", type=int, default=defaults["top_k"], help="0 = off")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--pipeline", choices=("on", "off"), default="on",
+                   help="on: a step's event goes out while the next step's forward runs; off: the serial loop, each "
+                        "step's event before the next step begins (for comparison; see specgui/decode.py)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter override (bench: METHOD.KEY=VALUE); repeatable")
     _path_args(p)
@@ -201,7 +204,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     lm = load_model(args)
     ids = encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw)
     events = list(decode.generate(lm, ids, args.method, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                  params=overrides, prompt_text=args.prompt, fast_path=args.fast_path))
+                                  params=overrides, prompt_text=args.prompt, fast_path=args.fast_path,
+                                  pipeline=args.pipeline == "on"))
     summary: Summary = events[-1]
     print(summary.text)
     print(f"[{args.method}] {summary.new_tokens} tokens in {summary.wall_s:.2f} s = {summary.tokens_per_s:.1f} tok/s, "
@@ -228,7 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     results.writable(args.json)
     lm = load_model(args)
     settings = bench.Settings(max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=sampling,
-                              fast_path=args.fast_path, compile=args.compile)
+                              fast_path=args.fast_path, compile=args.compile, pipeline=args.pipeline == "on")
     device = str(lm.runner.device)
     origin = results.provenance(device, args.argv)
 

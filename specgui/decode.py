@@ -3,13 +3,23 @@
     setup:   the method's one-time work (D&V's search, first-use timings), before the clock starts
     prefill: the prompt forward gives the first token (the pending token; its keys are not cached)
     repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
-             2. verify   one target forward over [pending] + tree (+ extras)
-             3. accept   the verifier keeps a path and adds its own token
-             4. crop     the cache keeps the pending token and the accepted path only
-             5. observe  the method learns from the verdict; a Step event goes out
+             2. launch   one target forward over [pending] + tree (+ extras)
+             3. event    the step before's: the cost model learns it, its text is built, its Step goes out
+             4. read     the verifier reads the forward's verdict
+             5. accept   the verifier keeps a path and adds its own token
+             6. crop     the cache keeps the pending token and the accepted path only
+             7. observe  the method learns from the verdict (the next draft needs it)
+    end:     3. event    the last step's, then the Summary
+
+That is the pipelined loop (`pipeline=True`, the default): a step's event waits for the next step's forward to be
+launched, so that on a GPU building and handing it out (and the consumer's time with it) overlaps the device's forward
+instead of delaying its launch. Serially (`pipeline=False`, kept for comparison) a step's event goes out right after
+its observe, before the next step's draft. Either way events go out one a step, in order, with the same content, and
+a run that stops launches nothing past its last step.
 
 Timing covers only the time spent inside this generator: whatever a consumer does between events
-(rendering, printing) never counts against a method. On CUDA every phase boundary synchronises.
+(rendering, printing) never counts against a method. On CUDA no phase boundary synchronises: the clock's marks are
+events the device records, read once the verdict has been.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from specgui.methods.base import DecodeState
 from specgui.runner import VERIFY_TOP, Top
 from specgui.sampling import GREEDY, Sampling
 from specgui.text import Detokenizer, piece_in_context
-from specgui.verify import verify
+from specgui.verify import Verdict, verify
 
 
 @dataclass
@@ -63,10 +73,12 @@ class Result:
 class _Clock:
     """Time spent inside the generator, phase by phase.
 
-    `mark()` ends a phase on the device's clock, `read()` returns the ms of the phases marked since the last read.
-    On a GPU the marks are CUDA events: nothing stalls between drafting and the verify forward, and a step's phases
-    are read after its one read of the device (`verify`'s), which the last mark precedes (`read(synced=True)` then
-    waits for nothing). Host-only work (a drafter's `observe`, building the event) is timed on the host (`host`).
+    `resume()` starts a step's first phase, `mark()` ends a phase on the device's clock, `read()` returns the ms of
+    the phases marked since. On a GPU the marks are CUDA events: nothing stalls between drafting and the verify
+    forward, and a step's phases are read after its one read of the device (`verify`'s), which its last mark
+    precedes on the device's stream (`read(synced=True)` then waits for nothing). Host-only work (a drafter's
+    `observe`, the cost model's `learn`) is timed on the host (`host`). Nothing else counts: building events and
+    handing them out (presentation, and the consumer's time), nor accepting and cropping after the verdict's read.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -92,8 +104,27 @@ class _Clock:
         return ms
 
     def resume(self) -> None:
-        """Start counting again after a pause (the gap was the consumer's time, not the method's)."""
+        """Start counting again after a pause (the gap was the consumer's time, or what the clock leaves out)."""
         self.marks = [self.device.mark()]
+
+
+@dataclass
+class _Decoded:
+    """A step decoded and observed whose event has not gone out: what the event and the cost model's `learn` need."""
+
+    index: int
+    context: list[int]  # the tokens before the step's draft, its pieces' context
+    draft: Draft
+    verdict: Verdict
+    emitted: list[int]
+    rows: int  # the verify forward's
+    draft_ms: float
+    verify_ms: float
+    observe_ms: float
+    payload: dict[str, Any]
+    predicted_ms: float
+    plain_ms: float
+    priced_verify_ms: float
 
 
 def generate(
@@ -109,6 +140,7 @@ def generate(
     fast_path: str = "auto",
     compile: str | None = None,
     profile: CostProfile | None = None,
+    pipeline: bool = True,
 ) -> Iterator[Event]:
     """Decode with `method`, yielding Start, Prefill, one Step per cycle, then Summary.
 
@@ -118,6 +150,19 @@ def generate(
     inductor's kernels (`specgui.compiled`): the same tokens as plain decoding on the same path.
     `profile` is the cost model methods size their drafts by and steps are priced with (default: the
     model's on this path, measured on first use, before any timing starts).
+    `pipeline`: a step's event (and the cost model's `learn` of it) waits until the next step's forward is launched,
+    and goes out while it runs; else (serial) before the next step begins. The same tokens and events, timings aside;
+    `should_stop` is polled before each step's draft either way (pipelined, the step before's event is then still
+    to go out: it does, before the Summary). With a measured profile a pipelined step's draft is sized by what the
+    cost model learnt up to the step before the last (serial: the last).
+
+    The timings (each ms of the generator's own time; their sum is the Summary's `wall_s`):
+    `draft_ms` from the step's start (polling `should_stop`) to the draft's end; `verify_ms` from there to just
+    before the verdict's read, serially, and pipelined to the forward's launch returning (on a GPU both end where
+    the device finished the forward; on a CPU the pipelined one leaves out the verdict's packing into its one read,
+    a join of its parts or sampling's top-k); `overhead_ms` the drafter's `observe` and the cost model's `learn`,
+    timed on the host where each runs. The step's text and event, the consumer's time, and accepting and cropping
+    after the read are in none of them.
     """
     _check_request(lm, prompt_ids, max_new_tokens)
     runner = lm.runner
@@ -160,54 +205,74 @@ def generate(
         prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=verdict.margins[0],
                           ms=prefill_ms, overhead_ms=overhead_ms, payload=payload)
         yield prefill
-        clock.resume()
 
         steps: list[Step] = []
+
+        def event(decoded: _Decoded) -> Step:
+            """3. event: the cost model learns what the step cost against what it priced (timed, with the step's
+            observe, as its overhead), then the step's text and Step (presentation: not timed)."""
+            started = time.perf_counter()
+            draft, verdict, emitted = decoded.draft, decoded.verdict, decoded.emitted
+            draft_ms, verify_ms = decoded.draft_ms, decoded.verify_ms
+            profile.learn(method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, decoded.priced_verify_ms,
+                          draft_ms=draft_ms)
+            overhead_ms = decoded.observe_ms + clock.host(started)
+            step = Step(
+                index=decoded.index, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
+                draft_pieces=tuple(_draft_pieces(lm, decoded.context, draft)), path=tuple(verdict.path),
+                token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
+                emitted_pieces=tuple(detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
+                forward_tokens=decoded.rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
+                payload=decoded.payload, predicted_ms=decoded.predicted_ms, plain_ms=decoded.plain_ms,
+            )
+            steps.append(step)
+            return step
+
         stop = _stop_reason(lm, state, [first])
-        while stop is None:
+        done: _Decoded | None = None  # the step before, decoded and observed, its event not yet out
+        while done is not None or stop is None:
+            if done is not None and (stop is not None or not pipeline):
+                yield event(done)  # 3. event, serially or after the last step: nothing is launched before it
+                done = None
+                continue
+            clock.resume()
             if should_stop is not None and should_stop():
                 stop = "cancelled"
-                break
+                continue
             context = state.tokens[-4:]
             plain_ms = state.plain_ms()
             # 1. draft
             draft = drafter.draft(state)
             clock.mark()
-            # 2. verify: one target forward over the pending token, the tree and any extras
+            # 2. launch: one target forward over the pending token, the tree and any extras
             rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
             predicted_ms = state.step_ms(draft.cost_ms, rows)
             priced_verify_ms = profile.verify_ms(rows, state.committed)
             logits, extra_logits, extra_rows = _verify_forward(state, draft)
+            if pipeline:
+                clock.mark()  # verify_ms ends with the forward (on a GPU the device's), not with what runs beside it
+            if done is not None:
+                yield event(done)  # 3. event, pipelined: the step before's, while this forward runs
+            # 4. read the verdict (serially, the clock's mark just before it)
             verdict = verify(logits, draft, sampling, generator, extra_logits, extra_rows=extra_rows,
-                             before_read=clock.mark,
-                             riders=state.riders)
+                             before_read=None if pipeline else clock.mark, riders=state.riders)
             state.riders = []
-            # 3. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
+            # 5. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
             emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
             emitted, stop = _cut(lm, state, emitted)
-            # 4. crop: keep the pending token and the accepted nodes' keys, drop the rest
+            # 6. crop: keep the pending token and the accepted nodes' keys, drop the rest
             state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
             state.tokens.extend(emitted)
             draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
+            # 7. observe: the method learns from the verdict, before it drafts again
             started = time.perf_counter()
-            # 5. observe (and the cost model learns what the step cost against what it priced)
-            profile.learn(method, rows, draft_ms + verify_ms, draft.cost_ms, priced_verify_ms, draft_ms=draft_ms)
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
                               extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}
-            overhead_ms = clock.host(started)  # the clock stops, as at prefill: the pieces' text is presentation
+            observe_ms = clock.host(started)
             state.step += 1
-            step = Step(
-                index=state.step, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
-                draft_pieces=tuple(_draft_pieces(lm, context, draft)), path=tuple(verdict.path),
-                token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
-                emitted_pieces=tuple(detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
-                forward_tokens=rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
-                payload=payload, predicted_ms=predicted_ms, plain_ms=plain_ms,
-            )
-            steps.append(step)
-            yield step
-            clock.resume()
+            done = _Decoded(state.step, context, draft, verdict, emitted, rows, draft_ms, verify_ms, observe_ms,
+                            payload, predicted_ms, plain_ms, priced_verify_ms)
 
         generated = tuple(state.tokens[state.prompt_len :])
         text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)

@@ -12,6 +12,10 @@ each program, which is what the device waits for. So it is timed, on whatever de
   loop's `verify` returned) to the launch of the next forward pass's first program. A loop that launches step t+1
   before it finishes step t's host work, or before it reads step t, leaves less of it, or none.
 
+Pipelined (`decode.generate`'s default) a step's event goes out after the next step's forward is launched: the
+stretch before it holds that next step's draft and launch (and its critical gap), the first step's two forwards, the
+last step's none (nothing is launched after it). The same work a step, counted one launch later.
+
 Only the fast path runs its forwards as programs: an eager forward's time would all count as host time.
 """
 

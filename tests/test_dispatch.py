@@ -137,11 +137,13 @@ def test_a_paused_method_costs_what_a_plain_step_costs():
     ids = [1, 5, 9, 3, 7, 2, 11, 4, 1, 5, 9, 3, 7, 2]
 
     def per_step(method: str) -> list[tuple[int, int, int]]:
-        """(draft tokens, device operations, host reads) of every step of a run."""
+        """(draft tokens, device operations, host reads) of every step of a run: serial, so that a step's are what ran
+        between its event and the one before (pipelined, a step's event follows the next step's launch)."""
         list(decode.generate(lm, ids, method, max_new_tokens=6, fast_path="on", profile=steep))  # programs made
         found, before = [], (0, 0)
         with dispatch.counting() as counts:
-            for event in decode.generate(lm, ids, method, max_new_tokens=16, fast_path="on", profile=steep):
+            for event in decode.generate(lm, ids, method, max_new_tokens=16, fast_path="on", profile=steep,
+                                         pipeline=False):
                 now = (sum(counts.eager.values()), sum(counts.reads.values()))
                 if isinstance(event, Step):
                     found.append((len(event.draft_tokens), now[0] - before[0], now[1] - before[1]))

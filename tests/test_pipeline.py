@@ -1,0 +1,163 @@
+"""The pipelined step (`decode.generate(pipeline=True)`, the default): a step's event goes out after the next step's
+forward is launched. The same tokens and events as the serial loop (`pipeline=False`), timings aside; no forward past
+the end; and host work moved into the event leaves the time the device waits for (`hosttime`'s critical_ms).
+
+Every run here is priced by a hand-made profile (`helpers.flat_profile`: no calibration, so no learnt timing sizes a
+draft or prices a step) at the paper's fixed draft sizes (`helpers.drafting`): two runs of one method then differ
+only in what was timed."""
+
+import dataclasses
+import time
+
+import pytest
+
+from helpers import baseline_run, drafting, flat_profile, tiny_model
+from specgui import decode, hosttime, methods, text
+from specgui.events import Prefill, Start, Step, Summary
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [20, 21, 20, 21, 20, 21, 22]]
+SLEEP_S = 0.05
+
+# What was measured, and nothing else: the phases' ms (a step's, the prefill's) and the Summary's sums and rates of
+# them. The cost model's prices (a Step's predicted_ms and plain_ms) stay compared: under an uncalibrated profile they
+# depend on no timing. The Summary's predicted_s and plain_s add the measured prompt forward (prompt_s) to those
+# prices, so they are compared less it. In payloads, what methods time themselves: every `*_ms` and `*_ratio` (what
+# bench sums as a method's phase figures: a DP's or a search's ms, Fractal's measured over priced cost), and CLaSP's
+# plan prices, which count its last DP's measured time (`dp_ms`) as its overhead.
+TIMED = {Start: (), Prefill: ("ms", "overhead_ms"), Step: ("draft_ms", "verify_ms", "overhead_ms"),
+         Summary: ("wall_s", "tokens_per_s", "prefill_s", "draft_s", "verify_s", "overhead_s", "prompt_s",
+                   "predicted_s", "plain_s")}
+PRICED_BY_OWN_CLOCK = {"clasp": ("predicted", "best")}
+OWN_STATE = {"swift": {"persist": False}}  # SWIFT's search goes on across runs: each run here starts its own
+
+
+def untimed(event, method):
+    """`event` with its measured figures cleared (and the Summary's prices less the measured prompt forward)."""
+    cleared = {name: 0.0 for name in TIMED[type(event)]}
+    if isinstance(event, Summary):
+        for name in ("predicted_s", "plain_s"):  # 0: no prediction (no step)
+            priced = getattr(event, name)
+            cleared[name] = pytest.approx(priced - event.prompt_s if priced else 0.0, abs=1e-9)
+    if isinstance(event, (Prefill, Step)):
+        cleared["payload"] = _untimed_payload(event.payload, PRICED_BY_OWN_CLOCK.get(method, ()))
+    return dataclasses.replace(event, **cleared)
+
+
+def _untimed_payload(value, priced, key=""):
+    if isinstance(value, dict):
+        return {k: _untimed_payload(v, priced, k) for k, v in value.items()
+                if not k.endswith(("_ms", "_ratio")) and not (key == "plan" and k in priced)}
+    if isinstance(value, list):
+        return [_untimed_payload(v, priced) for v in value]
+    return value
+
+
+def params(method):
+    return drafting(method, OWN_STATE.get(method))
+
+
+@pytest.fixture(scope="module")
+def profiles(tiny_lm):
+    """One flat profile a path, shared by the module's runs (a method's first-use timings are measured once)."""
+    return {path: flat_profile(tiny_lm, path == "on") for path in ("on", "off")}
+
+
+def both(lm, prompt, method, monkeypatch, **kwargs):
+    """The pipelined and the serial run's events, each with the number of verify forwards it launched; after a run
+    that makes the method's first-use measurements and searches (D&V's skip set, Fractal's compression), which a
+    method's first run of a profile reports and its later runs do not."""
+    list(decode.generate(lm, prompt, method, **{k: v for k, v in kwargs.items() if k != "should_stop"}))
+    launched = [0]
+    launch = decode._verify_forward
+
+    def counted(*args, **kw):
+        launched[0] += 1
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(decode, "_verify_forward", counted)
+    runs = []
+    for pipeline in (True, False):
+        launched[0] = 0
+        runs.append((list(decode.generate(lm, prompt, method, pipeline=pipeline, **kwargs)), launched[0]))
+    return runs
+
+
+def assert_same_run(lm, prompt, method, monkeypatch, **kwargs):
+    """Pipelined and serial: the same events in type, order and content, timings aside, and a verify forward a step
+    (none launched past the end)."""
+    (piped, piped_launched), (serial, serial_launched) = both(lm, prompt, method, monkeypatch, **kwargs)
+    assert [type(e) for e in piped] == [type(e) for e in serial]
+    assert [untimed(e, method) for e in piped] == [untimed(e, method) for e in serial]
+    assert piped_launched == serial_launched == serial[-1].steps
+    return decode.Result(piped)
+
+
+@pytest.mark.parametrize("fast_path", ["on", "off"])
+@pytest.mark.parametrize("method", methods.names())
+def test_every_method_decodes_the_same_pipelined_and_serially(tiny_lm, profiles, monkeypatch, method, fast_path):
+    drafted = 0
+    for prompt in PROMPTS:
+        result = assert_same_run(tiny_lm, prompt, method, monkeypatch, max_new_tokens=24, fast_path=fast_path,
+                                 params=params(method), profile=profiles[fast_path])
+        assert result.token_ids == baseline_run(tiny_lm, prompt, 24).token_ids
+        drafted += result.summary.drafted
+    assert drafted > 0 or method == "baseline"  # a drafting method's events were compared with drafts in them
+
+
+@pytest.mark.parametrize("method", ["baseline", "pld"])
+def test_a_run_stopped_by_should_stop_stops_at_the_same_step(tiny_lm, profiles, monkeypatch, method):
+    polls = []
+
+    def should_stop():  # polled before each step's draft, pipelined as serially: true at the fourth
+        polls.append(1)
+        return len(polls) % 4 == 0
+
+    result = assert_same_run(tiny_lm, PROMPTS[0], method, monkeypatch, max_new_tokens=40, should_stop=should_stop,
+                             params=params(method), profile=profiles["on"], fast_path="on")
+    assert result.summary.stop == "cancelled" and result.summary.steps == 3 and len(polls) == 8
+
+
+@pytest.mark.parametrize("method", ["baseline", "pld"])
+def test_a_run_that_ends_at_eos_ends_alike(monkeypatch, method):
+    lm = tiny_model(eos=24)  # the tiny model's greedy output settles on token 24
+    result = assert_same_run(lm, PROMPTS[0], method, monkeypatch, max_new_tokens=30, fast_path="on",
+                             params=params(method), profile=flat_profile(lm, True))
+    assert result.summary.stop == "eos" and result.token_ids[-1] == 24 and 24 not in result.token_ids[:-1]
+
+
+@pytest.mark.parametrize("method", ["baseline", "pld"])
+def test_a_run_of_one_token_launches_no_step(tiny_lm, profiles, monkeypatch, method):
+    result = assert_same_run(tiny_lm, PROMPTS[0], method, monkeypatch, max_new_tokens=1, fast_path="on",
+                             profile=profiles["on"])
+    assert result.summary.steps == 0 and result.summary.stop == "length"
+
+
+@pytest.mark.parametrize("method", ["baseline", "pld"])
+def test_slow_event_work_is_waited_for_serially_and_not_pipelined(tiny_lm, profiles, monkeypatch, method):
+    push = text.Detokenizer.push
+
+    def slow(self, token):  # a slow detokenizer: every token's text takes 50 ms
+        time.sleep(SLEEP_S)
+        return push(self, token)
+
+    monkeypatch.setattr(text.Detokenizer, "push", slow)
+    waited = {}
+    for pipeline in (True, False):
+        result, steps = hosttime.measured_run(tiny_lm, PROMPTS[0], method, max_new_tokens=8, fast_path="on",
+                                              params=params(method), profile=profiles["on"],
+                                              pipeline=pipeline)
+        assert len(steps) == result.summary.steps >= 2
+        assert all(step.host_ms >= SLEEP_S * 1000 for step in steps)  # the generator's own time either way
+        waited[pipeline] = [step.critical_ms for step in steps]
+    # serially every launch follows the event before it (the prefill's for the first step); pipelined none does
+    assert min(waited[False]) >= SLEEP_S * 1000 > max(waited[True])
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_the_decoding_commands_take_pipeline_on_or_off(command):
+    from specgui.cli import build_parser
+
+    parser = build_parser()
+    required = ["--prompt", "x"] if command == "generate" else []
+    assert parser.parse_args([command, *required]).pipeline == "on"
+    assert parser.parse_args([command, *required, "--pipeline", "off"]).pipeline == "off"
