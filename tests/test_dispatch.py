@@ -83,7 +83,8 @@ def test_gpucheck_dispatch_section_holds_every_method_to_one_program_a_pass_and_
     assert set(report["dispatch"]) == set(methods.names())
     for method, figures in report["dispatch"].items():
         assert set(figures) == {"programs_per_pass_max", "programs_per_pass_mean", "syncs_per_token",
-                                "eager_ops_per_step"}
+                                "eager_ops_per_step", "host_ms", "host_critical_ms"}
+        assert figures["host_ms"] > 0 and figures["host_critical_ms"] >= 0, method  # timed apart (`hosttime`)
         assert figures["eager_ops_per_step"] >= report["dispatch"]["baseline"]["eager_ops_per_step"] > 0, method
         assert 0 < figures["syncs_per_token"] <= 1.0, method
         assert figures["programs_per_pass_max"] == 1, method
@@ -93,6 +94,7 @@ def test_gpucheck_dispatch_section_holds_every_method_to_one_program_a_pass_and_
     out = capsys.readouterr().out
     assert "| dispatch |" in out and "fractal: one program per pass" in out
     assert "eager device operations a step at most plain decoding's + 2" in out
+    assert "pld: host time a step at most 1.0 ms, the part a GPU waits for at most 0.05 ms" in out
 
 
 def test_every_method_drafts_at_most_two_device_operations_a_step_beyond_plain_decodings():
