@@ -189,6 +189,9 @@ class App:
                 with gr.Tab("Methods", id="methods"):
                     gr.Markdown(controls.method_help())
             demo.load(None, None, self.stage, js=STAGE_LOAD_JS)
+            # the start line as the calibration stands when the page opens (a component's callable value would be
+            # a load event of its own, listed in the API)
+            demo.load(self.warmup.line, None, self.startup, queue=False, api_visibility="private")
             # the documented API, in this order; every page event above is private
             gr.api(self.generate_api, api_name="generate", concurrency_id="model", concurrency_limit=1)
             gr.api(self.compare_api, api_name="compare", concurrency_id="model", concurrency_limit=1)
@@ -223,7 +226,7 @@ class App:
             with gr.Column(scale=3, elem_id="sg-main"):
                 self.status = gr.HTML(render.status(f"Ready. {self.kernel_note}".strip()), elem_id="sg-status")
                 # the start's calibration: read at every page load, redrawn each second while it runs
-                self.startup = gr.HTML(lambda: self.warmup.line(), elem_id="sg-startup")
+                self.startup = gr.HTML("", elem_id="sg-startup")  # filled at each page load (`build`)
                 self.startup_timer = gr.Timer(STARTUP_S)
                 with gr.Row(elem_id="sg-legend-row"):
                     self.legend = gr.HTML(render.legend(), elem_id="sg-legend")
