@@ -61,7 +61,6 @@ class _Recorder:
     gap_s: float = 0.0  # generator time from that read to now, while no launch followed it
     critical_s: float = 0.0  # this step's: the gap its first launch closed
     pass_open: bool = False  # a forward pass has started and not yet launched a program
-    steps: list[StepHost] = field(default_factory=list)
     pending: list[tuple[float, list[Any], float]] = field(default_factory=list)  # steps whose CUDA times are unread
 
     def _waited(self, now: float) -> float:
@@ -91,11 +90,11 @@ class _Recorder:
         """Every step's times (on CUDA once the device has run them all)."""
         if self.cuda:
             torch.cuda.synchronize()
-        for wall_ms, spans, critical_ms in self.pending:
-            ran = sum(a.elapsed_time(b) if self.cuda else (b - a) * 1000 for a, b in spans)
-            self.steps.append(StepHost(wall_ms=wall_ms, program_ms=ran, critical_ms=critical_ms))
+        steps = [StepHost(wall_ms=wall_ms, critical_ms=critical_ms,
+                          program_ms=sum(a.elapsed_time(b) if self.cuda else (b - a) * 1000 for a, b in spans))
+                 for wall_ms, spans, critical_ms in self.pending]
         self.pending = []
-        return self.steps
+        return steps
 
 
 @contextmanager
