@@ -3,7 +3,9 @@
     setup:   the method's one-time work (D&V's search, first-use timings), before the clock starts
     prefill: the prompt forward gives the first token (the pending token; its keys are not cached)
     repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
-             2. launch   one target forward over [pending] + tree (+ extras)
+             2. launch   one target forward over [pending] + tree (+ extras); the drafter learns what the next draft
+                         does without (`after_launch`); and where the next step is plain whatever this one's
+                         verdict (`plain_ahead`), its forward too, chained on the device (`fastpath.PlainSteps`)
              3. event    the step before's: the cost model learns it, its text is built, its Step goes out
              4. read     the verifier reads the forward's verdict
              5. accept   the verifier keeps a path and adds its own token
@@ -15,11 +17,19 @@ That is the pipelined loop (`pipeline=True`, the default): a step's event waits 
 launched, so that on a GPU building and handing it out (and the consumer's time with it) overlaps the device's forward
 instead of delaying its launch. Serially (`pipeline=False`, kept for comparison) a step's event goes out right after
 its observe, before the next step's draft. Either way events go out one a step, in order, with the same content, and
-a run that stops launches nothing past its last step.
+a run that stops launches nothing past its last step, but for a chained plain step after a stop token (unread when
+it was launched; its key is past the end).
+
+Pipelined, on the fast path and greedy, plain steps (plain decoding's, and a paused method's while its pause is known
+ahead) chain on the device: step t + 1 is launched before step t is read, its token the one step t's program left on
+the device, and step t's verdict comes back through a pinned host row and an event, so that the device never waits
+for the host's work on a step. Such a step was drafted (empty) at its turn, as any step, so events are unchanged.
 
 Timing covers only the time spent inside this generator: whatever a consumer does between events
 (rendering, printing) never counts against a method. On CUDA no phase boundary synchronises: the clock's marks are
-events the device records, read once the verdict has been.
+events the device records, read once the verdict has been. A step launched ahead takes the device's time from the
+forward before it to its own (`_Clock.since`): on a GPU whatever the host did meanwhile (its work overlapped, or, where
+it was slower, delayed the launch); on a CPU the host's time less the stretches the generator was away.
 """
 
 from __future__ import annotations
@@ -85,6 +95,7 @@ class _Clock:
         self.device = costs.DeviceClock(device)
         self.total = 0.0
         self.marks = [self.device.mark()]
+        self.gaps: list[tuple[float, float]] = []  # (from, to) host seconds the generator was away, off CUDA
 
     def mark(self) -> None:
         self.marks.append(self.device.mark())
@@ -97,15 +108,50 @@ class _Clock:
         self.total += sum(ms) / 1000
         return ms
 
-    def host(self, started: float) -> float:
-        """The ms since `started` (`time.perf_counter`), counted in the total."""
+    def host(self, started: float, counted: bool = True) -> float:
+        """The ms since `started` (`time.perf_counter`), counted in the total unless a chained step's forward is in
+        flight meanwhile (`since` counts that stretch whole)."""
         ms = (time.perf_counter() - started) * 1000
-        self.total += ms / 1000
+        self.total += ms / 1000 if counted else 0.0
         return ms
 
     def resume(self) -> None:
         """Start counting again after a pause (the gap was the consumer's time, or what the clock leaves out)."""
         self.marks = [self.device.mark()]
+        self.gaps = []
+
+    def away(self, started: float) -> None:
+        """The generator was away since `started` (building an event's text, and the consumer's time with it)."""
+        if not self.device.cuda:
+            self.gaps.append((started, time.perf_counter()))
+
+    def since(self, start: Any, end: Any) -> float:
+        """A chained step's ms: from the mark behind the forward before it to the mark behind its own, counted in the
+        total. On a GPU the device's time, whatever the host did meanwhile; elsewhere, where the marks are the host's
+        own, less the stretches the generator was away (`away`)."""
+        ms = self.device.ms(start, end)
+        if not self.device.cuda:
+            ms -= sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.gaps) * 1000
+            self.gaps = [(a, b) for a, b in self.gaps if b > end]
+        self.total += ms / 1000
+        return ms
+
+
+@dataclass
+class _Launched:
+    """A step's target forward, launched: what reading its verdict needs."""
+
+    logits: torch.Tensor | Top
+    extra_logits: torch.Tensor | None = None
+    extra_rows: list[int] | None = None
+    chained: bool = False  # a plain step chained on the device (`fastpath.PlainSteps`)
+    ready: Any = None  # a chained step's CUDA event: its verdict is on the host behind it
+    end: Any = None  # a chained step's clock mark, right behind its forward
+
+    def wait(self) -> None:
+        """Before the verdict's read: a chained step's copy to the host has run (not the forwards launched since)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
 @dataclass
@@ -207,16 +253,19 @@ def generate(
         yield prefill
 
         steps: list[Step] = []
+        away: list[float] = []  # when the latest event's presentation began
 
-        def event(decoded: _Decoded) -> Step:
+        def event(decoded: _Decoded, counted: bool = True) -> Step:
             """3. event: the cost model learns what the step cost against what it priced (timed, with the step's
-            observe, as its overhead), then the step's text and Step (presentation: not timed)."""
+            observe, as its overhead; `counted` as `_Clock.host`), then the step's text and Step (presentation: not
+            timed; the generator is away from here until the consumer hands back)."""
             started = time.perf_counter()
             draft, verdict, emitted = decoded.draft, decoded.verdict, decoded.emitted
             draft_ms, verify_ms = decoded.draft_ms, decoded.verify_ms
             profile.learn(method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, decoded.priced_verify_ms,
                           draft_ms=draft_ms)
-            overhead_ms = decoded.observe_ms + clock.host(started)
+            overhead_ms = decoded.observe_ms + clock.host(started, counted)
+            away.append(time.perf_counter())
             step = Step(
                 index=decoded.index, draft_tokens=tuple(draft.tokens), draft_parents=tuple(draft.parents),
                 draft_pieces=tuple(_draft_pieces(lm, decoded.context, draft)), path=tuple(verdict.path),
@@ -228,48 +277,75 @@ def generate(
             steps.append(step)
             return step
 
+        # plain steps chain on the device where the fast path reads greedy verdicts, pipelined (`fastpath.PlainSteps`)
+        chain = fastpath.PlainSteps(state.cache) if static and sampling.greedy and pipeline else None
         stop = _stop_reason(lm, state, [first])
         done: _Decoded | None = None  # the step before, decoded and observed, its event not yet out
+        ahead: _Launched | None = None  # this step, launched chained before the step before was read
+        last_end: Any = None  # the device's mark behind the step before's forward
+        halted = False  # should_stop said so before a step to be launched ahead: the run stops before it
         while done is not None or stop is None:
             if done is not None and (stop is not None or not pipeline):
                 yield event(done)  # 3. event, serially or after the last step: nothing is launched before it
+                clock.away(away.pop())
                 done = None
                 continue
-            clock.resume()
-            if should_stop is not None and should_stop():
-                stop = "cancelled"
-                continue
+            if ahead is None:
+                clock.resume()
+                if halted or (should_stop is not None and should_stop()):
+                    stop = "cancelled"
+                    continue
             context = state.tokens[-4:]
             plain_ms = state.plain_ms()
-            # 1. draft
+            # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing)
             draft = drafter.draft(state)
-            clock.mark()
-            # 2. launch: one target forward over the pending token, the tree and any extras
             rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
             predicted_ms = state.step_ms(draft.cost_ms, rows)
             priced_verify_ms = profile.verify_ms(rows, state.committed)
-            logits, extra_logits, extra_rows = _verify_forward(state, draft)
-            if pipeline:
-                clock.mark()  # verify_ms ends with the forward (on a GPU the device's), not with what runs beside it
+            # 2. launch: one target forward over the pending token, the tree and any extras
+            if ahead is not None:
+                if not _plain(state, draft):
+                    raise SpecGUIError(f"{method} promised a plain step and drafted {rows - 1} tokens")
+                launched, ahead = ahead, None
+            else:
+                clock.mark()
+                launched = _launch(state, draft, chain if _plain(state, draft) else None)
+                if pipeline:
+                    clock.mark()  # verify_ms ends with the forward (on a GPU the device's), not what runs beside it
+            drafter.after_launch(state)  # what the drafter learns beside the forward
+            #    and the step after, where it is plain whatever this one's verdict: chained on the device, launched
+            #    before this one is read
+            if launched.chained and state.generated + 2 <= state.max_new_tokens and drafter.plain_ahead(state):
+                halted = should_stop is not None and should_stop()  # polled before the step, as ever: once
+                if not halted:
+                    ahead = _launch(state, Draft(), chain, position=state.committed + 1)
             if done is not None:
-                yield event(done)  # 3. event, pipelined: the step before's, while this forward runs
+                yield event(done, counted=ahead is None)  # 3. event, pipelined: the step before's, while this runs
+                clock.away(away.pop())
             # 4. read the verdict (serially, the clock's mark just before it)
-            verdict = verify(logits, draft, sampling, generator, extra_logits, extra_rows=extra_rows,
-                             before_read=None if pipeline else clock.mark, riders=state.riders)
+            verdict = verify(launched.logits, draft, sampling, generator, launched.extra_logits,
+                             extra_rows=launched.extra_rows, riders=state.riders,
+                             before_read=launched.wait if pipeline else clock.mark)
             state.riders = []
             # 5. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
             emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
             emitted, stop = _cut(lm, state, emitted)
-            # 6. crop: keep the pending token and the accepted nodes' keys, drop the rest
-            state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
+            # 6. crop: keep the pending token and the accepted nodes' keys, drop the rest (a chained step's one key
+            #    stays as its launch left the cache: a crop now would cut the key of the step launched after it)
+            if not launched.chained:
+                state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
             state.tokens.extend(emitted)
-            draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
+            if last_end is not None and launched.end is not None:  # launched ahead: its time is the device's since
+                draft_ms, verify_ms = 0.0, clock.since(last_end, launched.end)  # the forward before it ended
+            else:
+                draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
+            last_end = launched.end if ahead is not None else None
             # 7. observe: the method learns from the verdict, before it drafts again
             started = time.perf_counter()
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
                               extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms)
             payload = {**draft.info, **drafter.observe(state, outcome)}
-            observe_ms = clock.host(started)
+            observe_ms = clock.host(started, counted=ahead is None)
             state.step += 1
             done = _Decoded(state.step, context, draft, verdict, emitted, rows, draft_ms, verify_ms, observe_ms,
                             payload, predicted_ms, plain_ms, priced_verify_ms)
@@ -287,6 +363,22 @@ def run(lm: LoadedModel, prompt_ids: list[int], method: str = "baseline", **kwar
 
 
 costs.use_decoder(run)  # the cost model times plain steps with this loop without importing it
+
+
+def _plain(state: DecodeState, draft: Draft) -> bool:
+    """Whether a step is plain decoding's: nothing drafted, nothing observed or brought along by its forward."""
+    return not len(draft) and draft.extras is None and draft.observer is None and not state.riders
+
+
+def _launch(state: DecodeState, draft: Draft, chain: fastpath.PlainSteps | None, position: int | None = None
+            ) -> _Launched:
+    """2. launch: the step's target forward, chained on the device where `chain` is given (a plain step: at the
+    pending token's `position`, its id the host's, or, for a step launched ahead, the one the step before leaves)."""
+    if chain is None:
+        return _Launched(*_verify_forward(state, draft))
+    top, ready = chain.launch(state.committed if position is None else position,
+                              state.pending if position is None else None)
+    return _Launched(top, chained=True, ready=ready, end=costs.DeviceClock(state.runner.device).mark())
 
 
 def _verify_forward(state: DecodeState, draft: Draft

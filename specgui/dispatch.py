@@ -13,8 +13,11 @@ their own), a torch function mode counts the host reads and a dispatch mode the 
 outside program calls (eager work between programs: on a GPU each a launch of its own). A step clock's read counts
 as one synchronisation (on CUDA it waits for the step's last event; on a CPU it waits for nothing, and is counted all
 the same, since the count is of the path), unless it follows the step's own read of the device (`synced`), which its
-last mark precedes. What runs inside a program's function is not counted as a host read: on a
-GPU it is captured, and a read there would fail the capture; nor, for the same reason, as eager work.
+last mark precedes. A step's forward launched while no other step's is in flight (every verdict read) is counted as
+`waited`: on a GPU the device sat idle through the host's work between that read and the launch; plain steps chained
+on the device (`fastpath.PlainSteps`) wait only where a chain starts. What runs inside a program's function is not
+counted as a host read: on a GPU it is captured, and a read there would fail the capture; nor, for the same reason,
+as eager work.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class Counts:
     eager: collections.Counter[str] = field(default_factory=collections.Counter)  # device operations between programs
     tokens: int = 0
     steps: int = 0  # decoding steps (the caller adds a run's)
+    waited: int = 0  # step forwards launched with no step's forward in flight: after the host read every verdict
+    in_flight: int = 0  # step forwards launched and not yet read
 
     def summary(self) -> dict[str, Any]:
         passes = len(self.programs)
@@ -72,6 +77,7 @@ class Counts:
                 "programs_per_pass_max": max(self.programs, default=0),
                 "programs_per_pass_mean": sum(self.programs) / passes if passes else 0.0,
                 "syncs_per_token": sum(self.reads.values()) / self.tokens if self.tokens else 0.0,
+                "waited_launches_per_step": self.waited / self.steps if self.steps else 0.0,
                 "reads": dict(self.reads)}
 
 
@@ -135,11 +141,23 @@ def counting() -> Iterator[Counts]:
             counts.reads["step clock"] += 1
         return read(self, synced)
 
+    def counted_launch(*args: Any, **kwargs: Any) -> Any:
+        counts.waited += counts.in_flight == 0
+        counts.in_flight += 1
+        return launch(*args, **kwargs)
+
+    def counted_verify(*args: Any, **kwargs: Any) -> Any:
+        counts.in_flight = max(0, counts.in_flight - 1)  # the prompt forward's read has no step in flight
+        return verify(*args, **kwargs)
+
+    launch, verify = decode._launch, decode.verify
     Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = counted_pass, counted_call, counted_read
     fastpath.Program.__call__ = paused_run
+    decode._launch, decode.verify = counted_launch, counted_verify
     try:
         with mode, eager:
             yield counts
     finally:
         Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = new_pass, call, read
         fastpath.Program.__call__ = run
+        decode._launch, decode.verify = launch, verify

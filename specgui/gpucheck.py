@@ -566,7 +566,8 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
         f = {**dispatch_counts(lm, method, prompts, tokens), **host_figures(lm, method, prompts, tokens)}
         found[method] = f
         rows.append([method, f["passes"], f["programs_per_pass_max"], round(f["programs_per_pass_mean"], 2),
-                     round(f["syncs_per_token"], 2), round(f["eager_ops_per_step"], 1), round(f["host_ms"], 3),
+                     round(f["syncs_per_token"], 2), round(f["eager_ops_per_step"], 1),
+                     round(f["waited_launches_per_step"], 2), round(f["host_ms"], 3),
                      round(f["host_critical_ms"], 3), ", ".join(f"{k} {v}" for k, v in sorted(f["reads"].items()))])
         targets.append(target(f"{method}: one program per pass, at most one host read per token",
                               f"{f['programs_per_pass_max']} programs per pass at most, "
@@ -588,7 +589,7 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
         targets.append(target("a compiled decoder layer's kernels counted", f"skipped: {missing}", None))
     else:
         rows.append(["(a decoder layer)", "-", f"compiled: {figures['kernels_per_layer']} kernels",
-                     f"eager: {figures['eager_ops_per_layer']} operations", "-", "-",
+                     f"eager: {figures['eager_ops_per_layer']} operations", "-", "-", "-",
                      f"compile cache reused by a new process: {figures['cache_reused']}"])
         targets.append(target(f"a compiled decoder layer runs at most {KERNELS_PER_LAYER} kernels",
                               f"{figures['kernels_per_layer']} ({', '.join(figures['calls'])})",
@@ -597,7 +598,8 @@ def section_dispatch(ctx: Context) -> dict[str, Any]:
                               f"hits {figures['second_process']['cache_hits']}, "
                               f"misses {figures['second_process']['cache_misses']}", figures["cache_reused"]))
     return table(["method", "passes", "programs/pass max", "programs/pass mean", "host reads/token",
-                  "eager ops/step", "host ms/step", "waited-for ms/step", "reads by kind"], rows, targets,
+                  "eager ops/step", "waited launches/step", "host ms/step", "waited-for ms/step", "reads by kind"],
+                 rows, targets,
                  dispatch=found, compiled=figures,
                  note=f"{len(prompts)} prompts x {tokens} new tokens, fast path, greedy")
 

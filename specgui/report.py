@@ -122,11 +122,12 @@ def _dispatch(data: dict[str, Any]) -> list[str]:
     rows = [[method, f["programs_per_pass_max"], f"{f['programs_per_pass_mean']:.2f}", f"{f['syncs_per_token']:.2f}",
              "yes" if f["programs_per_pass_max"] <= 1 and f["syncs_per_token"] <= 1.0 else "no",
              f"{f['eager_ops_per_step']:.1f}" if "eager_ops_per_step" in f else "-",
+             f"{f['waited_launches_per_step']:.2f}" if "waited_launches_per_step" in f else "-",
              *(f"{f[key]:.3f}" if key in f else "-" for key in ("host_ms", "host_critical_ms"))]
             for method, f in found.items()]
     lines = _table(["method", "programs per pass (most)", "programs per pass (mean)", "host reads per token",
                     "one program a pass, at most one read a token", "device operations between programs a step",
-                    "host ms a step", "of which a GPU waits for"], rows)
+                    "steps launched after every verdict was read", "host ms a step", "of which a GPU waits for"], rows)
     layer = data["sections"]["dispatch"].get("compiled")
     if layer:
         lines += ["", f"A decoder layer: {layer['kernels_per_layer']} kernels compiled, {layer['eager_ops_per_layer']} "

@@ -41,6 +41,12 @@ def test_a_plain_step_on_the_fast_path_is_one_program_and_one_read():
     assert summary["passes"] == 12 and set(counts.programs) == {1}  # the prompt forward and 11 steps
     assert summary["programs_per_pass_max"] == 1 and summary["programs_per_pass_mean"] == 1.0
     assert "step clock" not in counts.reads and summary["syncs_per_token"] == 1.0
+    # chained on the device: each step launched before the one before it is read, so the device waits for a host's
+    # read once, at the first step (its id comes from the prompt forward's read); serially at every step
+    with dispatch.counting() as serial:
+        serial.steps = len(decode.run(lm, [1, 2, 3, 4], "baseline", max_new_tokens=12, fast_path="on",
+                                      pipeline=False).steps)
+    assert counts.waited == 1 and serial.waited == serial.steps == 11
 
 
 def test_an_unsynced_clock_read_is_counted():

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from helpers import baseline_run, drafting, flat_profile, tiny_model
-from specgui import decode, hosttime, methods, text
+from specgui import costs, decode, fastpath, hosttime, methods, text
 from specgui.events import Prefill, Start, Step, Summary
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [20, 21, 20, 21, 20, 21, 22]]
@@ -68,13 +68,13 @@ def both(lm, prompt, method, monkeypatch, **kwargs):
     method's first run of a profile reports and its later runs do not."""
     list(decode.generate(lm, prompt, method, **{k: v for k, v in kwargs.items() if k != "should_stop"}))
     launched = [0]
-    launch = decode._verify_forward
+    launch = decode._launch
 
     def counted(*args, **kw):
         launched[0] += 1
         return launch(*args, **kw)
 
-    monkeypatch.setattr(decode, "_verify_forward", counted)
+    monkeypatch.setattr(decode, "_launch", counted)
     runs = []
     for pipeline in (True, False):
         launched[0] = 0
@@ -84,11 +84,14 @@ def both(lm, prompt, method, monkeypatch, **kwargs):
 
 def assert_same_run(lm, prompt, method, monkeypatch, **kwargs):
     """Pipelined and serial: the same events in type, order and content, timings aside, and a verify forward a step
-    (none launched past the end)."""
+    (none launched past the end, but for plain steps chained on the device at a stop token: the step after it is
+    launched before it is read)."""
     (piped, piped_launched), (serial, serial_launched) = both(lm, prompt, method, monkeypatch, **kwargs)
     assert [type(e) for e in piped] == [type(e) for e in serial]
     assert [untimed(e, method) for e in piped] == [untimed(e, method) for e in serial]
-    assert piped_launched == serial_launched == serial[-1].steps
+    steps, chained = serial[-1].steps, method == "baseline" and kwargs.get("fast_path") == "on"
+    assert serial_launched == steps
+    assert piped_launched == steps + (chained and serial[-1].stop == "eos" and steps > 0)
     return decode.Result(piped)
 
 
@@ -149,8 +152,9 @@ def test_slow_event_work_is_waited_for_serially_and_not_pipelined(tiny_lm, profi
         assert len(steps) == result.summary.steps >= 2
         assert all(step.host_ms >= SLEEP_S * 1000 for step in steps)  # the generator's own time either way
         waited[pipeline] = [step.critical_ms for step in steps]
-    # serially every launch follows the event before it (the prefill's for the first step); pipelined none does
-    assert min(waited[False]) >= SLEEP_S * 1000 > max(waited[True])
+    # serially every launch follows the event before it (the prefill's for the first step); pipelined none does but
+    # the first step's, which follows the Prefill event (where a step chained on the device records it: its own)
+    assert min(waited[False]) >= SLEEP_S * 1000 > max(waited[True][1:])
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
@@ -161,3 +165,30 @@ def test_the_decoding_commands_take_pipeline_on_or_off(command):
     required = ["--prompt", "x"] if command == "generate" else []
     assert parser.parse_args([command, *required]).pipeline == "on"
     assert parser.parse_args([command, *required, "--pipeline", "off"]).pipeline == "off"
+
+
+@pytest.mark.parametrize("method", ["admg", "clasp", "fractal"])
+def test_pauses_chained_on_the_device_decode_the_same(monkeypatch, method):
+    """Priced (a verify of any rows costs one step) so that a layer-skip method drafts, pauses, probes and drafts
+    again: its paused steps, known ahead (`DraftPolicy.paused_ahead`), chain on the device between drafting ones,
+    and the run equals the serial one event for event and plain decoding token for token."""
+    lm = tiny_model(init=0.3)
+    layers, ms = lm.runner.num_layers, 10.0
+    flat = costs.CostProfile(key=costs.profile_key(lm, True), sizes=[1, 64], contexts=[128], forward=[[ms, ms]],
+                             step=ms, attn=[ms / (2 * layers)] * layers, mlp=[ms / (2 * layers)] * layers,
+                             head=ms / 10)
+    ids = [1, 5, 9, 3, 7, 2, 11, 4, 1, 5, 9, 3, 7, 2]
+    chained = []
+    launch = fastpath.PlainSteps.launch
+
+    def counted(self, position, pending):
+        chained.append(pending is None)
+        return launch(self, position, pending)
+
+    monkeypatch.setattr(fastpath.PlainSteps, "launch", counted)
+    result = assert_same_run(lm, ids, method, monkeypatch, max_new_tokens=24, fast_path="on", profile=flat,
+                             params={"admg": {"alpha": 0.0, "keep_last": 0, "exit_threshold": 0.0}}.get(method))
+    modes = {step.payload["plan"]["mode"] for step in result.steps}
+    assert {"paused", "draft"} <= modes or {"paused", "probe"} <= modes, modes
+    assert any(chained), "no paused step was launched ahead"
+    assert result.token_ids == baseline_run(lm, ids, 24).token_ids

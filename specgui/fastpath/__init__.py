@@ -30,7 +30,7 @@ from typing import Any
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import BUCKETS, bucket, masks
-from specgui.fastpath.passes import StaticPass, chain
+from specgui.fastpath.passes import PlainSteps, StaticPass, chain
 from specgui.fastpath.program import Program, compiles_for, overwrite_check
 from specgui.fastpath.programs import (
     FORWARD,
@@ -46,9 +46,9 @@ from specgui.fastpath.programs import (
 from specgui.fastpath.readout import CHAIN_NODES
 from specgui.runner import Runner
 
-__all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "Piece", "Program", "RunLayers", "RunRows",
-           "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain", "checked", "compiles_for", "masks",
-           "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
+__all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "Piece", "PlainSteps", "Program", "RunLayers",
+           "RunRows", "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain", "checked", "compiles_for",
+           "masks", "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
 
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")

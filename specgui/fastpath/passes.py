@@ -3,7 +3,8 @@
 A `StaticPass` is what `Runner.new_pass` makes over a `StaticKVCache`: it loads its bucket's inputs (one upload, one
 replay of their builder), finds its program (`programs`) and runs it (`call`: every program call of a pass goes
 through there, which `dispatch` counts). A draft chain (`chain`) is a run of one-row passes replaying one program,
-the host out of the loop.
+the host out of the loop; plain decoding's steps chain the same way (`PlainSteps`), a step launched before the one
+before it is read.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from specgui.fastpath.cache import StaticKVCache, StaticView
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program
 from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
-from specgui.runner import ATTN, Observer, Pass, Runner, SkipPlan, kept_units, sublayer, unit_index
+from specgui.runner import ATTN, VERIFY_TOP, Observer, Pass, Runner, SkipPlan, Top, kept_units, sublayer, unit_index
 
 
 def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -164,6 +165,55 @@ def chain(cache: StaticKVCache, skip: SkipPlan, pending: int, start: int, limit:
         step.call(program)
     inputs.owner = None  # moved on past what any pass loaded
     return ring[:limit]
+
+
+class PlainSteps:
+    """Plain decoding's steps chained on the device (greedy): each step one replay of the one-row chained program
+    without a skip plan (`programs.chained_program`), which feeds its choice to the next replay and moves the one-row
+    inputs on by a position itself, so that step t + 1 is launched before step t is read: between two launches the
+    host reads nothing, and on a GPU the device never waits for the host's work on a step (its read, accepting, the
+    drafter's `observe`, the event).
+
+    Each step's verdict (its row of the chain's buffer, `readout.ring`) is copied to a pinned host row right after its
+    replay, and an event recorded behind the copy: reading step t waits for that event, not for step t + 1's replay,
+    which the device runs meanwhile. The inputs are loaded (one upload) where a chain starts or its buffer is full
+    (`readout.CHAIN` rows), or where another pass loaded the one-row inputs since."""
+
+    SLOTS = 4  # pinned rows, reused in turn: at most two steps are in flight
+
+    def __init__(self, cache: StaticKVCache) -> None:
+        self.cache = cache
+        self.inputs = cache.inputs_for(1)
+        self.program, self.ring = chained_program(cache, self.inputs, None, 1)
+        self.cuda = cache.runner.device.type == "cuda"
+        self.host = torch.zeros(self.SLOTS, self.ring.shape[1], pin_memory=self.cuda)
+        self.slot = 0
+        self.loaded: StaticPass | None = None  # the pass whose load the inputs hold (moved on by the replays since)
+        self.origin = self.at = -1  # the position of the buffer's first row, and the next replay's
+
+    def launch(self, position: int, pending: int | None) -> tuple[Top, torch.cuda.Event | None]:
+        """Step at `position` (the pending token's): its id `pending` from the host, or (None) the id the replay before
+        left on the device. Returns its verdict as a host `Top` [1, 3 k + 1] and the event to wait for before reading
+        it (None off CUDA, where it is ready)."""
+        cache = self.cache
+        cache.lengths = [position] * len(cache.lengths)  # what a plain step's forward finds cached (the steps before
+        # it, read or in flight: a read's crop lags the launches)
+        step = cache.runner.new_pass(np.array([position]), cache)  # each replay is a forward pass of its own
+        if (pending is not None or self.inputs.owner is not self.loaded or position != self.at
+                or position - self.origin >= len(self.ring)):
+            step._load(np.array([-1 if pending is None else pending]))  # -1: the id the replay before left in place
+            self.loaded, self.origin = step, position
+        step.call(self.program)
+        self.at = position + 1
+        cache.lengths = [position + 1] * len(cache.lengths)
+        host = self.host[self.slot : self.slot + 1]
+        self.slot = (self.slot + 1) % self.SLOTS
+        host.copy_(self.ring[position - self.origin : position - self.origin + 1], non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return Top(host, VERIFY_TOP), event
 
 
 StaticKVCache.pass_type = StaticPass

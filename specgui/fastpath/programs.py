@@ -63,7 +63,8 @@ _WARM_UP = object()  # the owner of inputs loaded for captures
 def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: Sequence[SkipPlan] = (),
             buckets: Sequence[int] = BUCKETS, nodes: int = 1, hooks: Sequence[InProgram] = ()) -> None:
     """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, the
-    same ending in a verify's head (`Runner.forward(top=)`), its recording variant and, at one row, each sub-layer
+    same ending in a verify's head (`Runner.forward(top=)`), its recording variant and, at one row, plain decoding's
+    chained step (`passes.PlainSteps`) and each sub-layer
     of every layer (what the cost model times: no pass runs a sub-layer alone at more rows but a forward past the
     buckets, and a capture costs a device synchronisation and an emptied allocator cache, so the 60 a bucket would
     be most of a cache's captures); given `pieces`, those stretches of layers, one program each (`Drafter.pieces`);
@@ -86,6 +87,7 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             return [forward_program(cache, inputs, layers=layers, modules=modules) for modules, layers in pieces]
         return ([forward_program(cache, inputs, record=record) for record in (False, True)]
                 + [forward_program(cache, inputs, top=VERIFY_TOP), cache.keeper(inputs.rows)]
+                + ([chained_program(cache, inputs, None, 1)[0]] if inputs.rows == 1 else [])
                 + [unit_program(cache, runner.layers[layer], layer, kind, inputs)
                    for layer in range(runner.num_layers) for kind in (ATTN, MLP) if inputs.rows == 1])
 
@@ -213,19 +215,21 @@ def forward_program(cache: StaticKVCache, inputs: BucketInputs, skip: SkipPlan |
                               make)
 
 
-def chained_program(cache: StaticKVCache, inputs: BucketInputs, skip: SkipPlan, nodes: int
+def chained_program(cache: StaticKVCache, inputs: BucketInputs, skip: SkipPlan | None, nodes: int
                     ) -> tuple[Program, torch.Tensor]:
     """The one-row program of a draft chain with `skip`'s sub-layers left out (made when a method adopts the plan,
-    `adopt`): the whole forward ending in the head's `Top`, which it keeps in its row of the chain's buffer (the
-    readout's `ring`; its position less the chain's origin), its top-1 id becoming its own next input and its
-    `nodes` likeliest ids the verify's tokens at that row's place."""
+    `adopt`), or of plain decoding's chained steps (`skip` None: `passes.PlainSteps`): the whole forward (the plain
+    forward's own function, as a verify of one row runs it) ending in the head's `Top`, which it keeps in its row of
+    the chain's buffer (the readout's `ring`; its position less the chain's origin), its top-1 id becoming its own next
+    input and its `nodes` likeliest ids the verify's tokens at that row's place."""
     top = max(VERIFY_TOP, nodes)
     ring = cache.readout.ring(top)
 
     def make() -> Program:
         forward = forward_program(cache, inputs, skip, top=top)
         device = cache.runner.device
-        attended = torch.tensor([layer for layer in range(cache.runner.num_layers) if not skip.skips(layer, ATTN)],
+        attended = torch.tensor([layer for layer in range(cache.runner.num_layers)
+                                 if skip is None or not skip.skips(layer, ATTN)],
                                 dtype=torch.long, device=device)
         spread = torch.arange(nodes, device=device)
 

@@ -126,6 +126,9 @@ class Drafter:
     Params: ClassVar[type] = NoParams
     # per-token acceptance the method's paper reports, the policy's prior until its own verdicts say otherwise
     paper_acceptance: ClassVar[float] = PRIOR_ALPHA
+    # whether a paused step is a plain step (drafts, records, searches nothing): then its policy serves each pause
+    # whole (`DraftPolicy.whole_pauses`), so the pause is known ahead and its steps chain on the device (`plain_ahead`)
+    pauses_plainly: ClassVar[bool] = False
 
     def __init__(self, runner: Runner, params: Any, sampling: Sampling) -> None:
         self.runner = runner
@@ -151,10 +154,24 @@ class Drafter:
         """The policy that sizes this method's drafts: the cost model's, or the largest size always when the
         parameters ask for the paper's fixed schedule or no cost profile is at hand."""
         return DraftPolicy(sizes, fixed=self.params.policy == "fixed" or state.profile is None,
-                           alpha=self.paper_acceptance)
+                           alpha=self.paper_acceptance, whole_pauses=self.pauses_plainly)
 
     def draft(self, state: DecodeState) -> Draft:
         return Draft()
+
+    def after_launch(self, state: DecodeState) -> None:
+        """Learning from the last verdict that the next draft does without, run right after the next step's forward
+        is launched (on a GPU, beside it): a pool's harvest of n-grams, which then serves the step after next. Called
+        at the same point by the serial loop, so both loops draft the same."""
+
+    def plain_ahead(self, state: DecodeState) -> bool:
+        """Whether the next step's draft is a plain step's (nothing drafted, nothing observed) whatever the verdict of
+        the step in flight: then the decode loop launches it before that verdict's read, chained on the device
+        (`fastpath.PlainSteps`), and asks for the draft, as ever, after `observe`. A promise: a draft that breaks it
+        fails the run. Plain decoding always keeps it; a drafter whose paused steps are plain, while its policy's pause
+        lasts (`DraftPolicy.paused_ahead`)."""
+        policy = getattr(self, "policy", None)
+        return self.pauses_plainly and isinstance(policy, DraftPolicy) and policy.paused_ahead()
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         return {}

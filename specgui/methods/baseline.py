@@ -4,7 +4,7 @@ It is the base `Drafter` unchanged (an empty draft every step), so the loop, cac
 are exactly those the speculative methods use: speedups compare like with like.
 """
 
-from specgui.methods.base import Drafter, register
+from specgui.methods.base import DecodeState, Drafter, register
 
 
 @register
@@ -12,3 +12,6 @@ class Baseline(Drafter):
     name = "baseline"
     title = "Baseline"
     summary = "Plain autoregressive decoding: one target forward per token."
+
+    def plain_ahead(self, state: DecodeState) -> bool:
+        return True

@@ -352,6 +352,7 @@ class Fractal(Drafter):
     title = "Fractal"
     summary = "Int8 copies of the model spliced in before n layers refine w draft slots mid-forward."
     Params = FractalParams
+    pauses_plainly = True
     # the paper (Sec. 4): N + 0.74 tokens accepted per verification, observed at N = 7 fractal layers, the target's
     # own token included: 6.74 of 7 draft tokens, 0.99 a token. (Carrying the 0.74 over to the CPU preset's N = 2,
     # 1.74 of 2 or 0.92 a token, as this prior once did, put the prior under break-even and kept Fractal paused

@@ -210,6 +210,8 @@ def adaptive_exit(params: AdaptiveExitParams) -> ExitThreshold:
 class LayerSkipDrafter(Drafter):
     """Drafts with `self.plan` skipped; subclasses choose the plan in `begin` / `learn`."""
 
+    pauses_plainly = True
+
     def setup(self, state: DecodeState) -> None:
         """The draft vocabulary's head priced before decoding (`vocab.head_ms`: a first-use timing, saved with the
         profile), where the drafts compute one."""
@@ -229,6 +231,7 @@ class LayerSkipDrafter(Drafter):
 
     def make_exit(self) -> ExitThreshold:
         raise NotImplementedError
+
 
     def token_ms(self, state: DecodeState) -> float:
         """The predicted ms of one draft token (a forward with the plan skipped, its head over the draft vocabulary)."""

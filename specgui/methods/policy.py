@@ -103,7 +103,7 @@ class DraftPolicy:
     """Chooses a draft size per step from predicted costs and the learnt acceptance curve."""
 
     def __init__(self, sizes: Sequence[int], *, fixed: bool = False, max_pause: int = 64,
-                 alpha: float = PRIOR_ALPHA, regimes: int = REGIMES) -> None:
+                 alpha: float = PRIOR_ALPHA, regimes: int = REGIMES, whole_pauses: bool = False) -> None:
         self.sizes = sorted(set(sizes))
         self.alpha = alpha  # the prior's per-token acceptance
         self.fixed = fixed  # always the largest size: the papers' schedule, for comparison and tests
@@ -116,6 +116,10 @@ class DraftPolicy:
         self.probe = False  # the step after a pause probes
         self.standing: Plan | None = None  # a pause for good, with the steps it still stands unpriced
         self.stands = 0
+        # a pause is served whole, unpriced (`paused_ahead`): its plan stands for its steps, as a pause for good does
+        self.whole_pauses = whole_pauses
+        self.pausing: Plan | None = None
+        self.early: Plan | None = None  # the next step's plan, priced on the last step of a pause for good
 
     def expected(self, n: int) -> float:
         """E[accepted | a draft of size n] in the current regime: the decayed mean of what verdicts showed,
@@ -151,13 +155,25 @@ class DraftPolicy:
     def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
         most the drafter can offer now (a lookup's length, the tokens left in the budget)."""
-        plan = functools.partial(Plan, regime=self.regime)  # every plan names the curve that priced it
         sizes = [n for n in self.sizes if limit is None or n <= limit]
         if not sizes:
-            return plan(0, "paused", 1.0, 1.0, 0.0)
+            return Plan(0, "paused", 1.0, 1.0, 0.0, regime=self.regime)
+        if self.early is not None:
+            early, self.early = self.early, None
+            return early
         if self.stands > 0 and self.standing is not None:
             self.stands -= 1
+            if self.stands == 0 and self.whole_pauses:  # the step after the pause, priced a step early: known ahead
+                self.early = self._priced(cost, plain_ms, sizes)
             return self.standing
+        if self.whole_pauses and self.left > 0 and self.pausing is not None:
+            self.left -= 1
+            return self.pausing
+        return self._priced(cost, plain_ms, sizes)
+
+    def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
+        """`choose`'s plan where the sizes are priced."""
+        plan = functools.partial(Plan, regime=self.regime)  # every plan names the curve that priced it
         curve, costs = self.curve(), {n: cost(n) for n in sizes}
         gains = {n: (1 + curve[n]) * plain_ms / costs[n] for n in sizes}
         if self.fixed:
@@ -181,7 +197,17 @@ class DraftPolicy:
             self.left = self.pause - 1
             self.pause = min(2 * self.pause, self.max_pause)
             self.probe = True
-        return plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
+        self.pausing = plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
+        return self.pausing
+
+    def paused_ahead(self) -> bool:
+        """Whether the next `choose` pauses whatever the verdicts in between: a pause for good still standing, or
+        (`whole_pauses`) a pause with steps to serve, or the step after a pause for good, priced early, that pauses.
+        What lets the decode loop launch that step before it reads the one before (`Drafter.plain_ahead`)."""
+        if self.early is not None:
+            return self.early.size == 0
+        return (self.stands > 0 and self.standing is not None) or (self.whole_pauses and self.left > 0
+                                                                   and self.pausing is not None)
 
     def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
         """Fold one verdict into the curve of the regime it was drafted in, and move to the regime it leaves:

@@ -102,6 +102,7 @@ class SelfDraft(Drafter):
         pool = pool if len(pool) >= count else state.tokens
         self.branches = [[pool[(i * len(pool)) // count]] for i in range(count)]
         self.fed: dict[int, list[int]] = {}  # branch index -> its tokens as fed to the last forward
+        self.harvest: list[list[int]] = []  # the branches' n-grams of the last verdict, for `after_launch`
         self.turn = 0  # the branch first in line for the next forward
         self.candidates: list[dict[str, Any]] = []
         self.policy = self.sizing(state, range(1, p.budget + 1))
@@ -207,7 +208,7 @@ class SelfDraft(Drafter):
             self.policy.learn(outcome.path, self.verified, self.exhausted)
         if outcome.extra_tokens is not None:
             self._advance_branches(outcome.extra_tokens)
-        if self.params.use_context:
+        if outcome.prefill and self.params.use_context:  # the prompt, before the first draft; the output a step late
             self._index_text(state.tokens)
         payload: dict[str, Any] = {"cache_sizes": {"context": len(self.context),
                                                    "corpus": len(self.corpus) if self.corpus else 0}}
@@ -216,7 +217,8 @@ class SelfDraft(Drafter):
         return payload
 
     def _advance_branches(self, predicted: list[int]) -> None:
-        """Harvest [window; prediction] n-grams from every branch, then append its last prediction.
+        """Append every branch's last prediction (what the next draft feeds), and keep its [window; prediction]
+        n-grams for the context cache (`after_launch`).
 
         `predicted[r]` is the target's argmax after extra row r: the token that follows the committed text,
         the pending token and the branch up to that row. Windows hold min(G, L) branch tokens, so a branch
@@ -228,10 +230,18 @@ class SelfDraft(Drafter):
             branch = self.branches[i]
             after = predicted[row : row + len(fed)]
             row += len(fed)
-            for k in range(window - 1, len(fed)):
-                self.context.add_gram([*fed[k - window + 1 : k + 1], after[k]])
+            self.harvest += [[*fed[k - window + 1 : k + 1], after[k]] for k in range(window - 1, len(fed))]
             branch.append(after[-1])
             del branch[: max(0, len(branch) - self.params.branch_len)]
+
+    def after_launch(self, state: DecodeState) -> None:
+        """The context cache learns the last verdict's n-grams (the branches' and the text's) beside the next forward:
+        the next draft retrieves without them, the one after with them."""
+        for gram in self.harvest:
+            self.context.add_gram(gram)
+        self.harvest = []
+        if self.params.use_context:
+            self._index_text(state.tokens)
 
     def _index_text(self, tokens: list[int]) -> None:
         """Index prompt and output as they grow; the last G positions are re-indexed as their continuations

@@ -154,6 +154,7 @@ class Swift(LayerSkipDrafter):
     title = "SWIFT"
     summary = "Searches the skip set while decoding (random + Bayesian search on its own output), drafts confidently."
     Params = SwiftParams
+    pauses_plainly = False  # its search runs forwards of its own between steps, paused or not
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
@@ -178,6 +179,7 @@ class Swift(LayerSkipDrafter):
 
     def rows(self, k: int) -> int:
         return round(k * self.width)
+
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The widest tree dynamic verification can make (every chain position with all its runner-ups), each
