@@ -192,3 +192,21 @@ def test_pauses_chained_on_the_device_decode_the_same(monkeypatch, method):
     assert {"paused", "draft"} <= modes or {"paused", "probe"} <= modes, modes
     assert any(chained), "no paused step was launched ahead"
     assert result.token_ids == baseline_run(lm, ids, 24).token_ids
+
+
+def test_a_long_chain_reloads_its_inputs_and_keeps_plain_decodings_tokens(tiny_lm, profiles, monkeypatch):
+    """Past the chain buffer's rows (`readout.CHAIN`) plain steps reload the one-row inputs at the next position, the
+    token left on the device: 100 chained steps give plain decoding's tokens and the serial loop's events."""
+    loads = []
+    launch = fastpath.PlainSteps.launch
+
+    def counted(self, position, pending):
+        reloaded = position - self.origin >= len(self.ring) and pending is None
+        loads.append(reloaded)
+        return launch(self, position, pending)
+
+    monkeypatch.setattr(fastpath.PlainSteps, "launch", counted)
+    result = assert_same_run(tiny_lm, PROMPTS[1], "baseline", monkeypatch, max_new_tokens=101, fast_path="on",
+                             profile=profiles["on"])
+    assert sum(loads) >= 2  # reloaded past rows 32 and 64 of the chain, mid-chain
+    assert result.token_ids == baseline_run(tiny_lm, PROMPTS[1], 101).token_ids
