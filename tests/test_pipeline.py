@@ -167,11 +167,12 @@ def test_the_decoding_commands_take_pipeline_on_or_off(command):
     assert parser.parse_args([command, *required, "--pipeline", "off"]).pipeline == "off"
 
 
-@pytest.mark.parametrize("method", ["admg", "clasp", "fractal"])
+@pytest.mark.parametrize("method", ["admg", "fractal"])
 def test_pauses_chained_on_the_device_decode_the_same(monkeypatch, method):
     """Priced (a verify of any rows costs one step) so that a layer-skip method drafts, pauses, probes and drafts
     again: its paused steps, known ahead (`DraftPolicy.paused_ahead`), chain on the device between drafting ones,
-    and the run equals the serial one event for event and plain decoding token for token."""
+    and the run equals the serial one event for event and plain decoding token for token. (Not CLaSp: its prices
+    count its last search's measured time, so two runs may decide differently.)"""
     lm = tiny_model(init=0.3)
     layers, ms = lm.runner.num_layers, 10.0
     flat = costs.CostProfile(key=costs.profile_key(lm, True), sizes=[1, 64], contexts=[128], forward=[[ms, ms]],
