@@ -309,7 +309,7 @@ def generate(
                 launched, ahead = ahead, None
             else:
                 clock.mark()
-                launched = _launch(state, draft, chain if _plain(state, draft) else None)
+                launched = _launch(state, draft, chain if _plain(state, draft) else None, clock.device.mark)
                 if pipeline:
                     clock.mark()  # verify_ms ends with the forward (on a GPU the device's), not what runs beside it
             drafter.after_launch(state)  # what the drafter learns beside the forward
@@ -318,7 +318,7 @@ def generate(
             if launched.chained and state.generated + 2 <= state.max_new_tokens and drafter.plain_ahead(state):
                 halted = should_stop is not None and should_stop()  # polled before the step, as ever: once
                 if not halted:
-                    ahead = _launch(state, Draft(), chain, position=state.committed + 1)
+                    ahead = _launch(state, Draft(), chain, clock.device.mark, position=state.committed + 1)
             if done is not None:
                 yield event(done, counted=ahead is None)  # 3. event, pipelined: the step before's, while this runs
                 clock.away(away.pop())
@@ -370,15 +370,16 @@ def _plain(state: DecodeState, draft: Draft) -> bool:
     return not len(draft) and draft.extras is None and draft.observer is None and not state.riders
 
 
-def _launch(state: DecodeState, draft: Draft, chain: fastpath.PlainSteps | None, position: int | None = None
-            ) -> _Launched:
+def _launch(state: DecodeState, draft: Draft, chain: fastpath.PlainSteps | None, mark: Callable[[], Any],
+            position: int | None = None) -> _Launched:
     """2. launch: the step's target forward, chained on the device where `chain` is given (a plain step: at the
-    pending token's `position`, its id the host's, or, for a step launched ahead, the one the step before leaves)."""
+    pending token's `position`, its id the host's, or, for a step launched ahead, the one the step before leaves;
+    `mark`, the loop's clock, marks its end)."""
     if chain is None:
         return _Launched(*_verify_forward(state, draft))
     top, ready = chain.launch(state.committed if position is None else position,
                               state.pending if position is None else None)
-    return _Launched(top, chained=True, ready=ready, end=costs.DeviceClock(state.runner.device).mark())
+    return _Launched(top, chained=True, ready=ready, end=mark())
 
 
 def _verify_forward(state: DecodeState, draft: Draft
