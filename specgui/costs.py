@@ -172,6 +172,12 @@ class CostProfile:
         """What `method`'s own drafting work has measured against its price, lately (1: as priced)."""
         return self.calibration.work_ratio(method) if self.calibrated else 1.0
 
+    def chained_ms(self, context: int) -> float:
+        """A plain step chained on the device (`fastpath.PlainSteps`: launched before the step before is read, no host
+        work between the two forwards) at `context`: the measured plain step (`step` is timed on the loop that chains)
+        as chained steps have corrected it (`Calibration.chained_ratio`)."""
+        return self.plain_ms(context) * (self.calibration.chained_ratio() if self.calibrated else 1.0)
+
     def own_ms(self, method: str, work_ms: float, rows: int) -> float:
         """What a step's own drafting work costs as measured: `work_ms` (the profile's price of it) at `method`'s work
         ratio, plus the method's host work a drafting step measured beyond its price (`Calibration.host_ms`) where
@@ -180,9 +186,12 @@ class CostProfile:
         return work_ms * self.work_ratio(method) + host
 
     def learn(self, method: str, rows: int, measured_ms: float, work_ms: float, verify_ms: float,
-              draft_ms: float | None = None) -> None:
-        """Fold a decoded step into the calibration (`Calibration.learn`)."""
-        if self.calibrated:
+              draft_ms: float | None = None, chained: bool = False) -> None:
+        """Fold a decoded step into the calibration (`Calibration.learn`; a step chained on the device,
+        `Calibration.learn_chained`, against its price `verify_ms`)."""
+        if self.calibrated and chained:
+            self.calibration.learn_chained(measured_ms, verify_ms)
+        elif self.calibrated:
             self.calibration.learn(method, rows, measured_ms, work_ms, verify_ms, draft_ms)
 
     def mechanism(self, name: str, measure: Callable[[], float]) -> float:
@@ -294,6 +303,7 @@ class Calibration:
 
     def __init__(self) -> None:
         self.verify: dict[int, tuple[float, float]] = {}  # rows -> (decayed sum of log ratios, decayed weight)
+        self.chained = (0.0, 0.0)  # the same, for plain steps chained on the device (`learn_chained`)
         self.work: dict[str, tuple[float, float]] = {}  # method -> the same
         self.host: dict[str, tuple[float, float]] = {}  # method -> (decayed sum of ms, decayed weight)
         # verify ratios read since the last step was learnt: a step's sizing prices every size, Self-Draft's every
@@ -311,13 +321,13 @@ class Calibration:
     @property
     def learnt(self) -> bool:
         """Whether any step has been learnt: a profile's prices before that are uncalibrated."""
-        return bool(self.verify or self.work or self.host)
+        return bool(self.verify or self.work or self.host or self.chained[1])
 
     def to_dict(self) -> dict[str, Any]:
         """What was learnt, as JSON (saved with the profile it corrects)."""
         return {"verify": {str(rows): list(v) for rows, v in self.verify.items()},
                 "work": {method: list(v) for method, v in self.work.items()},
-                "host": {method: list(v) for method, v in self.host.items()}}
+                "host": {method: list(v) for method, v in self.host.items()}, "chained": list(self.chained)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
@@ -327,6 +337,8 @@ class Calibration:
             found.verify = {int(rows): (float(s), float(w)) for rows, (s, w) in data.get("verify", {}).items()}
             found.work = {str(method): (float(s), float(w)) for method, (s, w) in data.get("work", {}).items()}
             found.host = {str(method): (float(s), float(w)) for method, (s, w) in data.get("host", {}).items()}
+            s, w = data.get("chained", (0.0, 0.0))
+            found.chained = (float(s), float(w))
         except (AttributeError, TypeError, ValueError):
             return cls()
         return found
@@ -335,6 +347,23 @@ class Calibration:
         """Measured over priced for `method`'s own drafting work."""
         s, w = self.work.get(method, (0.0, 0.0))
         return math.exp(s / (w + CALIBRATION_PRIOR))
+
+    def chained_ratio(self) -> float:
+        """Measured over priced for a plain step chained on the device."""
+        s, w = self.chained
+        return math.exp(s / (w + CALIBRATION_PRIOR))
+
+    def learn_chained(self, measured_ms: float, priced_ms: float) -> None:
+        """Fold in a plain step chained on the device: its own ratio, apart from a verify of one token launched after
+        the step before was read (a method's step that drafts nothing), which pays the host's work between the two
+        forwards; learnt as one, a paused method's chained steps priced its unchained ones too cheap, and plain
+        decoding (what drafting must beat) too dear."""
+        if measured_ms <= 0 or priced_ms <= 0:
+            return
+        now = math.log(self.chained_ratio())
+        sample = min(now + CALIBRATION_CLIP, max(now - CALIBRATION_CLIP, math.log(measured_ms / priced_ms)))
+        s, w = self.chained
+        self.chained = (CALIBRATION_DECAY * s + sample, CALIBRATION_DECAY * w + 1.0)
 
     def host_ms(self, method: str) -> float:
         """`method`'s host work a drafting step measured beyond the price of its work (never below nothing)."""

@@ -27,9 +27,12 @@ for the host's work on a step. Such a step was drafted (empty) at its turn, as a
 
 Timing covers only the time spent inside this generator: whatever a consumer does between events
 (rendering, printing) never counts against a method. On CUDA no phase boundary synchronises: the clock's marks are
-events the device records, read once the verdict has been. A step launched ahead takes the device's time from the
-forward before it to its own (`_Clock.since`): on a GPU whatever the host did meanwhile (its work overlapped, or, where
-it was slower, delayed the launch); on a CPU the host's time less the stretches the generator was away.
+events the device records, read once the verdict has been. Pipelined, a step's time runs from the end of the forward
+before it to the end of its own (`_Clock.since`): on a GPU the device's time, so whatever the host did between the two
+forwards (the read, accepting, the observe before, the draft, the launch) counts where the device waited for it, and
+not where it ran beside a forward; on a CPU the host's time less the stretches the generator was away. (Counted from
+the draft's start, a step left out the read and the observe before it: on an H200 0.2 ms of prompt lookup's 2 ms
+steps, a tenth of its time, uncounted.)
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class _Clock:
     def read(self, synced: bool = False) -> list[float]:
         if self.device.cuda and not synced:
             self.marks[-1].synchronize()
-        ms = [self.device.ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
+        ms = [self._ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
         self.marks = self.marks[-1:]
         self.total += sum(ms) / 1000
         return ms
@@ -115,10 +118,13 @@ class _Clock:
         self.total += ms / 1000 if counted else 0.0
         return ms
 
-    def resume(self) -> None:
-        """Start counting again after a pause (the gap was the consumer's time, or what the clock leaves out)."""
-        self.marks = [self.device.mark()]
-        self.gaps = []
+    def resume(self, since: Any = None) -> None:
+        """Start counting again after a pause (the gap was the consumer's time, or what the clock leaves out); or,
+        pipelined, `since` a mark behind the forward before (`since`'s span: the host's whole work between them)."""
+        if since is None:
+            self.marks, self.gaps = [self.device.mark()], []
+        else:
+            self.marks = [since]
 
     def away(self, started: float) -> None:
         """The generator was away since `started` (building an event's text, and the consumer's time with it)."""
@@ -127,13 +133,18 @@ class _Clock:
 
     def since(self, start: Any, end: Any) -> float:
         """A chained step's ms: from the mark behind the forward before it to the mark behind its own, counted in the
-        total. On a GPU the device's time, whatever the host did meanwhile; elsewhere, where the marks are the host's
-        own, less the stretches the generator was away (`away`)."""
+        total."""
+        ms = self._ms(start, end)
+        self.total += ms / 1000
+        return ms
+
+    def _ms(self, start: Any, end: Any) -> float:
+        """The ms between two marks: on a GPU the device's, whatever the host did meanwhile; elsewhere, where the
+        marks are the host's own, less the stretches the generator was away (`away`) between them."""
         ms = self.device.ms(start, end)
         if not self.device.cuda:
             ms -= sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.gaps) * 1000
             self.gaps = [(a, b) for a, b in self.gaps if b > end]
-        self.total += ms / 1000
         return ms
 
 
@@ -146,7 +157,8 @@ class _Launched:
     extra_rows: list[int] | None = None
     chained: bool = False  # a plain step chained on the device (`fastpath.PlainSteps`)
     ready: Any = None  # a chained step's CUDA event: its verdict is on the host behind it
-    end: Any = None  # a chained step's clock mark, right behind its forward
+    end: Any = None  # pipelined: the clock's mark right behind its forward
+    ahead: bool = False  # launched before the step before it was read
 
     def wait(self) -> None:
         """Before the verdict's read: a chained step's copy to the host has run (not the forwards launched since)."""
@@ -171,6 +183,7 @@ class _Decoded:
     predicted_ms: float
     plain_ms: float
     priced_verify_ms: float
+    ahead: bool  # launched ahead, chained: the cost model learns it as a chained plain step
 
 
 def generate(
@@ -202,13 +215,16 @@ def generate(
     to go out: it does, before the Summary). With a measured profile a pipelined step's draft is sized by what the
     cost model learnt up to the step before the last (serial: the last).
 
-    The timings (each ms of the generator's own time; their sum is the Summary's `wall_s`):
-    `draft_ms` from the step's start (polling `should_stop`) to the draft's end; `verify_ms` from there to just
-    before the verdict's read, serially, and pipelined to the forward's launch returning (on a GPU both end where
-    the device finished the forward; on a CPU the pipelined one leaves out the verdict's packing into its one read,
-    a join of its parts or sampling's top-k); `overhead_ms` the drafter's `observe` and the cost model's `learn`,
-    timed on the host where each runs. The step's text and event, the consumer's time, and accepting and cropping
-    after the read are in none of them.
+    The timings (each ms of the generator's own time; draft and verify, and serially overhead, sum to the Summary's
+    `wall_s`):
+    `draft_ms` from the step's start (polling `should_stop`) to the draft's end, serially; pipelined from the end of
+    the forward before (the host's whole work between the two forwards; 0 for a step launched ahead, its
+    `verify_ms` the span from forward to forward); `verify_ms` from there to just before the verdict's read,
+    serially, and pipelined to the forward's launch returning (on a GPU both end where the device finished the
+    forward); `overhead_ms` the drafter's `observe` and the cost model's `learn`, timed on the host where each runs:
+    serially counted apart, pipelined inside the next step's span (or beside a forward), so shown, not added. The
+    step's text and event and the consumer's time are in none of them; serially, neither are accepting and cropping
+    after the read.
     """
     _check_request(lm, prompt_ids, max_new_tokens)
     runner = lm.runner
@@ -263,7 +279,7 @@ def generate(
             draft, verdict, emitted = decoded.draft, decoded.verdict, decoded.emitted
             draft_ms, verify_ms = decoded.draft_ms, decoded.verify_ms
             profile.learn(method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, decoded.priced_verify_ms,
-                          draft_ms=draft_ms)
+                          draft_ms=draft_ms, chained=decoded.ahead)
             overhead_ms = decoded.observe_ms + clock.host(started, counted)
             away.append(time.perf_counter())
             step = Step(
@@ -279,10 +295,11 @@ def generate(
 
         # plain steps chain on the device where the fast path reads greedy verdicts, pipelined (`fastpath.PlainSteps`)
         chain = fastpath.PlainSteps(state.cache) if static and sampling.greedy and pipeline else None
+        state.chains = chain is not None
         stop = _stop_reason(lm, state, [first])
         done: _Decoded | None = None  # the step before, decoded and observed, its event not yet out
         ahead: _Launched | None = None  # this step, launched chained before the step before was read
-        last_end: Any = None  # the device's mark behind the step before's forward
+        last_end: Any = None  # pipelined: the clock's mark behind the step before's forward
         halted = False  # should_stop said so before a step to be launched ahead: the run stops before it
         while done is not None or stop is None:
             if done is not None and (stop is not None or not pipeline):
@@ -291,7 +308,7 @@ def generate(
                 done = None
                 continue
             if ahead is None:
-                clock.resume()
+                clock.resume(since=last_end)  # pipelined, the step's time runs from the forward before
                 if halted or (should_stop is not None and should_stop()):
                     stop = "cancelled"
                     continue
@@ -300,7 +317,7 @@ def generate(
             # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing)
             draft = drafter.draft(state)
             rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
-            predicted_ms = state.step_ms(draft.cost_ms, rows)
+            predicted_ms = plain_ms if ahead is not None else state.step_ms(draft.cost_ms, rows)
             priced_verify_ms = profile.verify_ms(rows, state.committed)
             # 2. launch: one target forward over the pending token, the tree and any extras
             if ahead is not None:
@@ -309,18 +326,20 @@ def generate(
                 launched, ahead = ahead, None
             else:
                 clock.mark()
-                launched = _launch(state, draft, chain if _plain(state, draft) else None, clock.device.mark)
+                launched = _launch(state, draft, chain if _plain(state, draft) else None)
                 if pipeline:
                     clock.mark()  # verify_ms ends with the forward (on a GPU the device's), not what runs beside it
+                    launched.end = clock.marks[-1]
             drafter.after_launch(state)  # what the drafter learns beside the forward
             #    and the step after, where it is plain whatever this one's verdict: chained on the device, launched
             #    before this one is read
             if launched.chained and state.generated + 2 <= state.max_new_tokens and drafter.plain_ahead(state):
                 halted = should_stop is not None and should_stop()  # polled before the step, as ever: once
                 if not halted:
-                    ahead = _launch(state, Draft(), chain, clock.device.mark, position=state.committed + 1)
+                    ahead = _launch(state, Draft(), chain, position=state.committed + 1)
+                    ahead.end, ahead.ahead = clock.device.mark(), True
             if done is not None:
-                yield event(done, counted=ahead is None)  # 3. event, pipelined: the step before's, while this runs
+                yield event(done, counted=False)  # 3. event, pipelined: the step before's, beside this forward
                 clock.away(away.pop())
             # 4. read the verdict (serially, the clock's mark just before it)
             verdict = verify(launched.logits, draft, sampling, generator, launched.extra_logits,
@@ -335,20 +354,21 @@ def generate(
             if not launched.chained:
                 state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
             state.tokens.extend(emitted)
-            if last_end is not None and launched.end is not None:  # launched ahead: its time is the device's since
-                draft_ms, verify_ms = 0.0, clock.since(last_end, launched.end)  # the forward before it ended
+            if launched.ahead:  # its time is the device's since the forward before it ended
+                draft_ms, verify_ms = 0.0, clock.since(last_end, launched.end)
             else:
                 draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
-            last_end = launched.end if ahead is not None else None
+            last_end = launched.end
             # 7. observe: the method learns from the verdict, before it drafts again
             started = time.perf_counter()
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
-                              extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms)
+                              extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms,
+                              priced=predicted_ms / plain_ms if plain_ms > 0 else 0.0)
             payload = {**draft.info, **drafter.observe(state, outcome)}
-            observe_ms = clock.host(started, counted=ahead is None)
+            observe_ms = clock.host(started, counted=not pipeline or stop is not None)  # else in the next step's span
             state.step += 1
             done = _Decoded(state.step, context, draft, verdict, emitted, rows, draft_ms, verify_ms, observe_ms,
-                            payload, predicted_ms, plain_ms, priced_verify_ms)
+                            payload, predicted_ms, plain_ms, priced_verify_ms, launched.ahead)
 
         generated = tuple(state.tokens[state.prompt_len :])
         text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)
@@ -370,16 +390,15 @@ def _plain(state: DecodeState, draft: Draft) -> bool:
     return not len(draft) and draft.extras is None and draft.observer is None and not state.riders
 
 
-def _launch(state: DecodeState, draft: Draft, chain: fastpath.PlainSteps | None, mark: Callable[[], Any],
+def _launch(state: DecodeState, draft: Draft, chain: fastpath.PlainSteps | None,
             position: int | None = None) -> _Launched:
     """2. launch: the step's target forward, chained on the device where `chain` is given (a plain step: at the
-    pending token's `position`, its id the host's, or, for a step launched ahead, the one the step before leaves;
-    `mark`, the loop's clock, marks its end)."""
+    pending token's `position`, its id the host's, or, for a step launched ahead, the one the step before leaves)."""
     if chain is None:
         return _Launched(*_verify_forward(state, draft))
     top, ready = chain.launch(state.committed if position is None else position,
                               state.pending if position is None else None)
-    return _Launched(top, chained=True, ready=ready, end=mark())
+    return _Launched(top, chained=True, ready=ready)
 
 
 def _verify_forward(state: DecodeState, draft: Draft

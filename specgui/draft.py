@@ -195,6 +195,7 @@ class Outcome:
     prefill: bool = False
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    priced: float = 0.0  # the step's price in plain steps (the cost model's, predicted over plain ms; 0: none)
 
     @property
     def accepted(self) -> int:

@@ -249,7 +249,8 @@ def linear_as(module: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None
     if forms is None:
         return nn.functional.linear(x, weight, bias)
     form = forms[min(rows, MAX_ROWS)]  # past MAX_ROWS only the row-independent form goes on (`choose`)
-    if (rows > MAX_ROWS and form != "skinny") or x.dtype != weight.dtype or x.requires_grad or form == "stock":
+    if (rows > MAX_ROWS and form != "skinny") or x.dtype != weight.dtype or x.requires_grad or form == "stock" \
+            or not x.is_cpu:  # a module moved to a GPU after it was installed: torch's own product there
         return nn.functional.linear(x, weight, bias)
     out = FUNCTIONS[form](weight, bias, x.reshape(rows, width))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])

@@ -35,6 +35,9 @@ from specgui.sampling import Sampling
 needs_inductor = pytest.mark.skipif(compiled.available("cpu") is not None,
                                     reason="inductor's CPU backend needs a C++ compiler")
 
+# checks of the CUDA graphs and the device's own clock: they skip themselves where no GPU is (CI)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+
 # One short prompt per suite category: for checks of what a suite run lays out, not of the suite's prompts
 SHORT_PROMPTS = Path(__file__).resolve().parent / "data" / "short-prompts.jsonl"
 
@@ -226,3 +229,10 @@ def _merge_small_cells(observed: torch.Tensor, expected: torch.Tensor, minimum: 
     scale = obs.sum() / exp.sum()
     assert math.isclose(float(scale), 1.0, rel_tol=0.05), "pooled cells dropped too much mass"
     return obs, exp * scale
+
+
+def on_cuda(lm: LoadedModel, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """`lm` (an in-process model) moved to the GPU, with a runner of its own there."""
+    model = lm.model.to("cuda", dtype)
+    return LoadedModel(spec=lm.spec, name=lm.name, model=model, tokenizer=lm.tokenizer, runner=Runner(model),
+                       stop_ids=lm.stop_ids, max_context=lm.max_context, load_s=0.0, source="in-process")

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from helpers import assert_greedy_identical, baseline_run, flat_profile, tiny_model
+from helpers import assert_greedy_identical, baseline_run, cuda, flat_profile, on_cuda, tiny_model
 from specgui import decode, fastpath, methods
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
@@ -20,7 +20,6 @@ from specgui.runner import ATTN, SkipPlan
 
 SPECULATIVE = [name for name in methods.names() if name != "baseline"]
 TINY_PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -139,7 +138,7 @@ def test_every_method_is_token_identical_on_the_fast_path_on_the_embedded_model(
 @cuda
 @pytest.mark.parametrize("method", methods.names())
 def test_cuda_graphs_are_token_identical_in_fp32(method):
-    lm = _on_cuda(tiny_model(seed=3))
+    lm = on_cuda(tiny_model(seed=3))
     assert_greedy_identical(lm, method, TINY_PROMPTS, 40, fast_path="on", min_accepted=0)
     cache = fastpath.cache_for(lm.runner, 8)
     assert cache.programs.by_key and all(p.graph is not None for p in cache.programs.by_key.values())
@@ -148,7 +147,7 @@ def test_cuda_graphs_are_token_identical_in_fp32(method):
 @cuda
 def test_cuda_graph_verify_of_many_tokens_costs_about_one():
     """The premise of speculative decoding on a GPU: a 32-token forward costs < 2x a 1-token forward."""
-    lm = _on_cuda(tiny_model(hidden=512, layers=8, vocab=1024), dtype=torch.bfloat16)
+    lm = on_cuda(tiny_model(hidden=512, layers=8, vocab=1024), dtype=torch.bfloat16)
     cache = fastpath.cache_for(lm.runner, 256)
     with torch.inference_mode():
         lm.runner.forward(torch.arange(64) % 1000, torch.arange(64), cache)
@@ -164,15 +163,6 @@ def test_cuda_graph_verify_of_many_tokens_costs_about_one():
             end.synchronize()
             times[t] = start.elapsed_time(end) / 20
     assert times[32] < 2 * times[1], times
-
-
-def _on_cuda(lm, dtype=torch.float32):
-    from specgui.loading import LoadedModel
-    from specgui.runner import Runner
-
-    model = lm.model.to("cuda", dtype)
-    return LoadedModel(spec=lm.spec, name=lm.name, model=model, tokenizer=lm.tokenizer, runner=Runner(model),
-                       stop_ids=lm.stop_ids, max_context=lm.max_context, load_s=0.0, source="in-process")
 
 
 def test_baseline_helper_is_the_eager_reference(tiny_lm):

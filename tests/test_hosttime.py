@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from helpers import drafting
 from specgui import bench, decode, fastpath, hosttime
 from specgui.methods.pld import PromptLookup
 from specgui.sampling import GREEDY
@@ -15,7 +16,9 @@ SLEEP_S = 0.05
 
 
 def run(lm, method="pld", tokens=12, pipeline=True):
-    return hosttime.measured_run(lm, PROMPT, method, max_new_tokens=tokens, fast_path="on", pipeline=pipeline)
+    """At the paper's fixed draft sizes: prompt lookup never pauses, so its steps launch after every read."""
+    return hosttime.measured_run(lm, PROMPT, method, max_new_tokens=tokens, fast_path="on", pipeline=pipeline,
+                                 params=drafting(method, None))
 
 
 def launched(steps, pipeline, method="pld"):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import baseline_run, drafting, flat_profile, tiny_model
+from helpers import baseline_run, cuda, drafting, flat_profile, on_cuda, tiny_model
 from specgui import costs, decode, fastpath, hosttime, methods, text
 from specgui.events import Prefill, Start, Step, Summary
 
@@ -211,3 +211,14 @@ def test_a_long_chain_reloads_its_inputs_and_keeps_plain_decodings_tokens(tiny_l
                              profile=profiles["on"])
     assert sum(loads) >= 2  # reloaded past rows 32 and 64 of the chain, mid-chain
     assert result.token_ids == baseline_run(tiny_lm, PROMPTS[1], 101).token_ids
+
+
+@cuda
+@pytest.mark.parametrize("method", ["baseline", "pld", "selfdraft", "fractal", "admg"])
+def test_on_a_gpu_the_pipelined_loop_decodes_as_the_serial_one(monkeypatch, method):
+    """On CUDA graphs (fp32): the chained plain steps (their pinned readout and events) and the pipelined drafting
+    steps give the serial loop's events and plain decoding's tokens, past the chain's rows."""
+    lm = on_cuda(tiny_model(seed=3))
+    result = assert_same_run(lm, PROMPTS[1], method, monkeypatch, max_new_tokens=80, fast_path="on",
+                             profile=flat_profile(lm, True), params=params(method))
+    assert result.token_ids == baseline_run(lm, PROMPTS[1], 80).token_ids

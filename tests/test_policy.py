@@ -7,7 +7,7 @@ import pytest
 from helpers import baseline_run, tiny_model
 from specgui import decode, methods
 from specgui.costs import CostProfile
-from specgui.methods.policy import MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy
+from specgui.methods.policy import EVIDENCE, MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -120,6 +120,39 @@ def test_pauses_double_between_probes_and_drafting_resumes_when_it_pays():
     policy.learn(path=[0, 1], verified=2, exhausted=False)  # a probe accepted everything: a streak follows
     assert policy.choose(losing, 10.0).mode == "draft"  # its curve says drafting pays: at once, pauses reset
     assert policy.pause == 1
+
+
+def test_drafting_that_yields_less_than_plain_decoding_pauses_whole_and_chains():
+    """Where pauses chain (`whole_pauses`), steps outside a pause are settled as a whole: steps that bring 2 tokens at
+    2.5 chained plain steps' price each (the prices it drafted by said they paid) lose, so after EVIDENCE of them the
+    method pauses whole, known ahead, for a pause that doubles each time; where the steps pay, no pause."""
+    policy = DraftPolicy([1, 2, 4], whole_pauses=True, max_pause=8)
+    cheap = lambda n: 10.0  # noqa: E731  (every size priced to pay: the per-step choice always drafts)
+    lengths = []
+    for _ in range(3):
+        settled = 0
+        while not policy.paused_ahead():
+            plan = policy.choose(cheap, 10.0)
+            assert plan.mode == "draft"
+            policy.learn(path=[0], verified=plan.size, exhausted=False, emitted=2, priced=2.5)
+            settled += 1
+        assert settled == EVIDENCE
+        held = 0
+        while policy.paused_ahead():
+            plan = policy.choose(cheap, 10.0)
+            assert plan.size == 0 and plan.prior is not None and policy.held
+            policy.learn(path=[], verified=0, exhausted=True, emitted=1, priced=1.0)  # not settled: paused
+            held += 1
+        lengths.append(held)
+    assert lengths == [1, 2, 4]
+    paying = DraftPolicy([1, 2, 4], whole_pauses=True)
+    for _ in range(20):
+        paying.learn(path=[0], verified=1, exhausted=False, emitted=2, priced=1.2)
+    assert not paying.paused_ahead()
+    unchained = DraftPolicy([1, 2, 4])  # pauses that do not chain: a paused step costs what a drafting one does
+    for _ in range(20):
+        unchained.learn(path=[], verified=1, exhausted=False, emitted=1, priced=1.2)
+    assert not unchained.paused_ahead() and unchained.left == 0
 
 
 def test_a_draft_that_never_lands_pauses_within_five_steps_whatever_the_prior():

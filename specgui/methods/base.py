@@ -53,6 +53,7 @@ class DecodeState:
     method: str = ""  # the method decoding (whose own work `step_ms` prices)
     model: str = ""  # the model's name, as configs/ match it (dv: the search setting this deployment configures)
     static: bool = False  # the fast path's static cache (on a GPU: programs, and reads that stall the host)
+    chains: bool = False  # plain steps chain on the device (`fastpath.PlainSteps`: static, greedy, pipelined)
     riders: list[Rider] = field(default_factory=list)  # device values the next verdict read brings back (`ride`)
 
     @property
@@ -90,7 +91,11 @@ class DecodeState:
         return len(self.tokens) - self.prompt_len
 
     def plain_ms(self) -> float:
-        """What a plain decoding step costs now: a verify of one token (`verify_ms`)."""
+        """What a plain decoding step costs now, what drafting must beat: chained on the device where this run chains
+        plain steps (`CostProfile.chained_ms`; plain decoding's steps all are, and so are a paused method's where its
+        pause is known ahead), else a verify of one token (`verify_ms`)."""
+        if self.chains and self.profile is not None:
+            return self.profile.chained_ms(self.committed)
         return self.verify_ms(1)
 
     def forward_ms(self, rows: int) -> float:

@@ -83,6 +83,7 @@ class Lookahead(Drafter):
     title = "Lookahead decoding"
     summary = "Jacobi iterations in a 2-D window harvest n-grams; n-grams that start at the last token are verified."
     Params = LookaheadParams
+    pauses_plainly = True  # a paused step sends neither candidates nor the window
 
     def begin(self, state: DecodeState) -> None:
         p = self.params
@@ -145,7 +146,7 @@ class Lookahead(Drafter):
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         harvested = 0
         if not outcome.prefill:
-            self.policy.learn(outcome.path, self.drafted, self.exhausted)
+            self.policy.learn(outcome.path, self.drafted, self.exhausted, len(outcome.emitted), outcome.priced)
         if self.fed is not None and outcome.extra_tokens is not None:
             guesses = outcome.extra_tokens
             if len(self.fed) == 1:  # the top level is block 0, whose first row is the pending token's own

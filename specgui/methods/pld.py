@@ -70,6 +70,7 @@ class PromptLookup(Drafter):
     title = "Prompt lookup"
     summary = "Copies the continuation of the first earlier match of the last n-gram."
     Params = PldParams
+    pauses_plainly = True  # a paused step drafts nothing (what its lookup found waits)
 
     def setup(self, state: DecodeState) -> None:
         self.lookup_ms = (state.profile.mechanism("pld.lookup", lambda: _lookup_ms(*self.params.ngrams))
@@ -81,18 +82,21 @@ class PromptLookup(Drafter):
         self.drafted, self.exhausted = 0, False
 
     def draft(self, state: DecodeState) -> Draft:
-        found, n = self.index.lookup(state.tokens, min(self.params.num_draft, state.max_depth))
-        if not found:
+        held = self.policy.paused_ahead()  # a pause served whole: nothing is looked up
+        found, n = ([], 0) if held else self.index.lookup(state.tokens, min(self.params.num_draft, state.max_depth))
+        if not found and not held:
             self.drafted = 0
             return Draft(info={"ngram": n}, cost_ms=self.lookup_ms)
-        plan = self.policy.choose(lambda k: state.step_ms(self.lookup_ms, 1 + k), state.plain_ms(), len(found))
+        plan = self.policy.choose(lambda k: state.step_ms(self.lookup_ms, 1 + k), state.plain_ms(),
+                                  None if held else len(found))
         tokens = found[: plan.size]
         self.drafted, self.exhausted = len(tokens), plan.size == len(found)
-        return Draft(tokens=tokens, cost_ms=self.lookup_ms, info={"ngram": n, "plan": plan.to_dict()})
+        return Draft(tokens=tokens, cost_ms=0.0 if held else self.lookup_ms,
+                     info={"ngram": n, "plan": plan.to_dict()})
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
-            self.policy.learn(outcome.path, self.drafted, self.exhausted)
+            self.policy.learn(outcome.path, self.drafted, self.exhausted, len(outcome.emitted), outcome.priced)
         self.index.update(state.tokens)
         return {}
 

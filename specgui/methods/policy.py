@@ -36,6 +36,15 @@ drafted every step of a run at 0% acceptance (H200, bf16). Now four verdicts tha
 lookup replayed on the same outputs and profile lost nearly nothing by it (a curve per regime: 1.34x and 1.50x on
 the held-out and development prompts, against 1.35x and 1.51x at the fixed weight).
 
+Drafting as a whole is priced too, where a pause chains on the device (`whole_pauses`): there a paused step is plain
+decoding's, launched before the step before it is read, while every step of a method that drafts is launched after its
+read, and pays the host's work between the two forwards whether or not it drafts (a lookup that finds nothing, a pool
+with no candidate). On an H200 that step cost 1.2x a chained one, and prompt lookup, drafting only where its steps
+priced a gain, ran at 0.90x plain decoding. So each step decoded outside a pause is settled (`settle`): its tokens
+against its price in chained plain steps, a decayed mean like the curve's; where, over at least `EVIDENCE` such steps,
+drafting yields fewer tokens than plain decoding would in the same time, the method pauses whole (doubling, as probes
+do), and its steps chain.
+
 Acceptance runs in streaks: output that copies its input (a summary quoting its source, code repeating a
 name) keeps copying, and a draft right after a rejection is accepted less often than one right after a
 success. So the policy keeps one curve per regime, the number of tokens the previous verdict accepted (0,
@@ -61,6 +70,7 @@ PRIOR_FADE = 0.5  # ... and this much less per verdict's weight it has
 DECAY = 0.9  # weight of the past per new observation (an effective memory of about ten steps)
 REGIMES = 3  # acceptance curves kept: after a verdict that accepted 0, 1, or 2 and more tokens
 RECHECK = 8  # a pause for good (`Plan.hopeless`) is priced again every this many steps
+EVIDENCE = 4  # steps drafting as a whole is judged on (`settle`) before it may call a pause
 
 
 POLICIES = ("cost", "fixed")
@@ -120,6 +130,10 @@ class DraftPolicy:
         self.whole_pauses = whole_pauses
         self.pausing: Plan | None = None
         self.early: Plan | None = None  # the next step's plan, priced on the last step of a pause for good
+        self.held = False  # the last plan was a pause served whole (not settled: it was no drafting step)
+        self.tokens = self.cost = 0.0  # drafting as a whole: decayed tokens, and price in plain steps (`settle`)
+        self.settled = 0  # steps settled since the last pause
+        self.rest = 1  # length of the next pause `settle` calls (doubling while drafting keeps losing)
 
     def expected(self, n: int) -> float:
         """E[accepted | a draft of size n] in the current regime: the decayed mean of what verdicts showed,
@@ -156,6 +170,10 @@ class DraftPolicy:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
         most the drafter can offer now (a lookup's length, the tokens left in the budget)."""
         sizes = [n for n in self.sizes if limit is None or n <= limit]
+        self.held = self.whole_pauses and self.left > 0 and self.pausing is not None  # served whole, offer or none
+        if self.held:
+            self.left -= 1
+            return self.pausing
         if not sizes:
             return Plan(0, "paused", 1.0, 1.0, 0.0, regime=self.regime)
         if self.early is not None:
@@ -163,12 +181,10 @@ class DraftPolicy:
             return early
         if self.stands > 0 and self.standing is not None:
             self.stands -= 1
+            self.held = self.whole_pauses
             if self.stands == 0 and self.whole_pauses:  # the step after the pause, priced a step early: known ahead
                 self.early = self._priced(cost, plain_ms, sizes)
             return self.standing
-        if self.whole_pauses and self.left > 0 and self.pausing is not None:
-            self.left -= 1
-            return self.pausing
         return self._priced(cost, plain_ms, sizes)
 
     def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
@@ -200,6 +216,26 @@ class DraftPolicy:
         self.pausing = plan(0, "paused", 1.0, gains[best], 0.0, prior, self.alpha)
         return self.pausing
 
+    def settle(self, emitted: int, priced: float) -> None:
+        """Fold a step decoded outside a pause into drafting as a whole (`emitted` tokens for `priced` plain steps'
+        time), and pause whole where it yields less than plain decoding (see the module's docstring). Only where
+        pauses chain (`whole_pauses`): elsewhere a paused step costs what a step that drafts nothing costs."""
+        if not self.whole_pauses or self.fixed or self.max_pause == 0 or self.held:
+            return
+        self.tokens = DECAY * self.tokens + emitted
+        self.cost = DECAY * self.cost + priced
+        self.settled += 1
+        if self.settled < EVIDENCE:
+            return
+        if self.tokens >= self.cost:
+            self.rest = 1
+            return
+        gain = self.tokens / self.cost
+        self.pausing = Plan(0, "paused", 1.0, gain, 0.0, gain, self.alpha, self.regime)
+        self.left, self.rest = self.rest, min(2 * self.rest, self.max_pause)
+        self.tokens = self.cost = 0.0
+        self.settled = 0
+
     def paused_ahead(self) -> bool:
         """Whether the next `choose` pauses whatever the verdicts in between: a pause for good still standing, or
         (`whole_pauses`) a pause with steps to serve, or the step after a pause for good, priced early, that pauses.
@@ -209,12 +245,15 @@ class DraftPolicy:
         return (self.stands > 0 and self.standing is not None) or (self.whole_pauses and self.left > 0
                                                                    and self.pausing is not None)
 
-    def learn(self, path: Sequence[int], verified: int, exhausted: bool) -> None:
+    def learn(self, path: Sequence[int], verified: int, exhausted: bool, emitted: int = 0, priced: float = 0.0) -> None:
         """Fold one verdict into the curve of the regime it was drafted in, and move to the regime it leaves:
         `path` the accepted nodes (in draft order), `verified` the nodes drafted (0: a step that drafted
         nothing), `exhausted` whether a larger size would have drafted nothing more. Every verdict ages the
         evidence of every size, so what no step re-checks (a size above the ones drafted lately) drifts back
-        to the prior instead of locking that size out for good after one bad verdict."""
+        to the prior instead of locking that size out for good after one bad verdict. `emitted` and `priced`: the
+        step's tokens and its price in plain steps (`Outcome.priced`), which `settle` weighs."""
+        if priced > 0:
+            self.settle(emitted, priced)
         if verified == 0:
             self.regime = 0
             return
