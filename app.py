@@ -1,12 +1,12 @@
 """SpecGUI app entry point: `python app.py` serves the page on http://127.0.0.1:7860 (Hugging Face Spaces too).
 
 The page lives in `specgui/ui/`; this file loads the default model, launches the page at once with its theme and
-stylesheet, and only then calibrates the demo presets in the background on the device thread
-(`specgui.ui.warmup`): the page answers while it calibrates, says how far it is, and a Run pressed meanwhile waits
-for it. Every slow phase of a start prints a line and a bar (`specgui.progress`). `--no-calibrate` (or
-SPECGUI_NO_CALIBRATE=1, for a Space) skips the calibration for quick restarts. Set GRADIO_SERVER_NAME /
-GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL, SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set
-the deployment policy (see specgui/hosting.py).
+stylesheet (until then a starting page answers at the address: `specgui.ui.placeholder`), and only then calibrates
+the demo presets in the background on the device thread (`specgui.ui.warmup`): the page answers while it
+calibrates, says how far it is, and a Run pressed meanwhile waits for it. Every slow phase of a start prints a line
+and a bar (`specgui.progress`). `--no-calibrate` (or SPECGUI_NO_CALIBRATE=1, for a Space) skips the calibration for
+quick restarts. Set GRADIO_SERVER_NAME / GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL,
+SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set the deployment policy (see specgui/hosting.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import sys
 
 # hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
 from specgui import hosting, progress
+from specgui.ui import placeholder
 
 progress.to_terminal()
+starting = placeholder.serve()  # the address answers at once, with these phases, until the page takes it over
 with progress.phase("starting SpecGUI: importing torch, transformers and gradio"):  # seconds on a small machine
     from specgui.errors import SpecGUIError
     from specgui.ui import warmup
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"warning: {exc}", file=sys.stderr)
     with progress.phase("building and serving the page"):
         demo = app.build().queue(**queue_options())
+        starting.stop()
         demo.launch(prevent_thread_lock=True, **launch_options())
     if lm is None:
         app.warmup.skip("no model loaded")

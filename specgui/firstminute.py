@@ -4,7 +4,8 @@ Why a command: how long `python app.py` keeps a terminal and a browser waiting, 
 start is as fair as the tenth, are properties of the whole product on a machine (imports, the model's conversion, the
 C kernel's build, the cost profile, the calibration, the browser on the same cores), which no unit test times. This
 starts `app.py` as a user does, twice on one fresh cache folder (cold: nothing converted, built or measured; warm:
-all of it read back), and times each start from the command to the page's "Running on" and to the calibration's end;
+all of it read back), and times each start from the command to the first answer at its address (the starting page,
+`specgui.ui.placeholder`), to the page's "Running on" and to the calibration's end;
 then, on the warm start, it drives the stage view in a headless chromium and presses Run on the first preset twice,
 recording each race's overall speedup beside its prediction and both runs' prompt forwards (from the page's traces).
 `--save` writes `results/<machine>/startup.json`, which README's first-start paragraph renders.
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,6 @@ from specgui.errors import SpecGUIError
 
 START_TIMEOUT_S = 30 * 60  # a cold start on a busy two-core machine took minutes
 RUN_TIMEOUT_MS = 20 * 60 * 1000
-SETTLE_MS = 3000  # after the page's load, before the first Run
 RUNNING = "Running on local URL:"
 CALIBRATED = re.compile(r"calibration: (\w+)")
 
@@ -41,6 +42,7 @@ class Start:
     began: float
     lines: list[tuple[float, str]] = field(default_factory=list)
     reader: threading.Thread | None = None
+    answered: float | None = None  # seconds from the command to the address's first answer
 
     def seconds_to(self, pattern: str | re.Pattern[str], timeout: float = START_TIMEOUT_S) -> float:
         """Seconds from the command to the first line holding `pattern` (waits for it)."""
@@ -81,13 +83,25 @@ def start(cache: Path, port: int) -> Start:
             else:
                 buffer += chunk
 
+    def ask() -> None:
+        url = f"http://127.0.0.1:{port}/"
+        while proc.poll() is None:
+            try:
+                with urllib.request.urlopen(url, timeout=60):
+                    started.answered = time.monotonic() - began
+                    return
+            except OSError:
+                time.sleep(0.05)
+
     started.reader = threading.Thread(target=read, daemon=True)
     started.reader.start()
+    threading.Thread(target=ask, daemon=True).start()
     return started
 
 
 def timed_start(cache: Path, port: int) -> tuple[Start, dict[str, float]]:
-    """A start's seconds to "Running on" and to the calibration's end (the app left running)."""
+    """A start's seconds to its address's first answer, to "Running on" and to the calibration's end (the app left
+    running)."""
     app = start(cache, port)
     running = app.seconds_to(RUNNING)
     calibrated = app.seconds_to(CALIBRATED)
@@ -96,7 +110,8 @@ def timed_start(cache: Path, port: int) -> tuple[Start, dict[str, float]]:
         app.stop()
         raise SpecGUIError(f"the calibration ended {state}: " + next(line for _, line in app.lines
                                                                     if CALIBRATED.search(line)))
-    return app, {"running_s": round(running, 1), "calibrated_s": round(calibrated, 1)}
+    answered = app.answered if app.answered is not None else running
+    return app, {"answers_s": round(answered, 1), "running_s": round(running, 1), "calibrated_s": round(calibrated, 1)}
 
 
 def races(url: str, count: int = 2) -> list[dict[str, Any]]:
@@ -115,11 +130,7 @@ def races(url: str, count: int = 2) -> list[dict[str, Any]]:
         page.goto(url + "?view=stage")
         page.wait_for_selector("#run")
         page.wait_for_selector("#sg-status .sg-status", state="attached")  # gradio mounts the HTML after the button
-        # then the page finishes loading, as a person reads it before pressing Run: pressed as soon as the status line
-        # was mounted, the first race's prompt forward shared the two cores with the page's first drawing (its charts)
-        # and took 2-3x the second race's (3548 against 1181 ms), where the same run through the API took what the
-        # second did (1254 ms)
-        page.wait_for_timeout(SETTLE_MS)  # (not "network idle": the page's timer polls while it is open)
+        # pressed at once, as an eager visitor would: the page holds the run until it has drawn itself (`SETTLED_JS`)
         for _ in range(count):
             page.evaluate("document.querySelector('#sg-status .sg-status').dataset.old = '1'")
             page.click("#run")

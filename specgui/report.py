@@ -139,8 +139,10 @@ def _dispatch(data: dict[str, Any]) -> list[str]:
 def _startup(data: dict[str, Any]) -> list[str]:
     def start(kind: str) -> str:
         t = data[kind]
-        return f"{t['running_s']:.0f} s to the page's \"Running on\" and {t['calibrated_s']:.0f} s to the end of " \
-            "its calibration"
+        answers = f"{t['answers_s']:.1f} s to the first answer at its address (the starting page), " \
+            if "answers_s" in t else ""
+        return f"{answers}{t['running_s']:.0f} s to the page's \"Running on\" and {t['calibrated_s']:.0f} s to the " \
+            "end of its calibration"
 
     cold = (f"From a fresh cache folder (the GGUF converted, the C kernel built, the cost profile measured) a first "
             f"start took {start('cold')}; ") if "cold" in data else ""

@@ -1,6 +1,7 @@
-"""The app's first minute: `python app.py` serves its page before the demo presets' calibration ends, the page and the
-terminal say how far it is, and a Run pressed meanwhile waits for it in a real chromium, then ends identical to plain
-decoding and priced by the finished calibration.
+"""The app's first minute: `python app.py` answers at its address from the start (a starting page that brings the app
+in by itself), serves its page before the demo presets' calibration ends, the page and the terminal say how far it
+is, and a Run pressed meanwhile waits for it in a real chromium, then ends identical to plain decoding and priced by
+the finished calibration.
 
 Neither verdict rests on the machine's speed: the calibration is held after its first preset (SPECGUI_CALIBRATION_HOLD
 for the served app.py, a `threading.Event` for the page in this process) until the test has seen what it checks."""
@@ -20,7 +21,7 @@ from ui_helpers import served
 
 from specgui import REPO_DIR
 from specgui.picture import chromium_path
-from specgui.ui import controls, warmup
+from specgui.ui import controls, placeholder, warmup
 
 START_TIMEOUT_S = 600  # bounds, not verdicts: a busy two-core machine took minutes to import and load
 TIMEOUT_MS = START_TIMEOUT_S * 1000
@@ -43,6 +44,19 @@ def read_until(lines: list[str], proc: subprocess.Popen, text: str) -> None:
         time.sleep(0.1)
 
 
+def first_answer(url: str, proc: subprocess.Popen) -> str:
+    """The first page the address answers with, asked every 0.1 s from the app's start."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as answer:
+                assert answer.status == 200
+                return answer.read().decode("utf-8")
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"app.py never answered at {url} (exit {proc.poll()})")
+
+
 def test_app_py_serves_the_page_while_the_calibration_runs_and_says_when_it_ends(embedded_lm, tmp_path):
     # embedded_lm: the session's cache holds the converted weights and the built kernel (a warm start)
     release = tmp_path / "release"
@@ -54,14 +68,16 @@ def test_app_py_serves_the_page_while_the_calibration_runs_and_says_when_it_ends
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     try:
-        read_until(lines, proc, "Running on")
         url = f"http://127.0.0.1:{port}/"
-        with urllib.request.urlopen(url, timeout=60) as answer:
-            assert answer.status == 200
+        first = first_answer(url, proc)  # the address answers from the start: the starting page, with its phase
+        assert placeholder.MARK in first and "starting SpecGUI" in first
+        assert not any("Running on" in line for line in lines)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium_path(), args=ARGS)
             page = visitor(browser, 1280, 720)
             page.goto(url + "?view=stage")
+            page.wait_for_selector("#run", timeout=TIMEOUT_MS)  # the starting page brings the app's in by itself
+            assert any("Running on" in line for line in lines)
             # held after its first preset: the calibration cannot end before the release below
             page.wait_for_function("document.querySelector('#sg-startup')?.innerText.includes("
                                    f"'calibrating the demo presets: 1 of {PRESETS}')", timeout=TIMEOUT_MS)
