@@ -81,6 +81,7 @@ CALIBRATION_DECAY = 0.9  # weight of a step's predecessors in a calibration rati
 CALIBRATION_PRIOR = 0.25  # a ratio starts from what the other row counts show, with this many steps' weight
 CALIBRATION_CLIP = math.log(2.0)  # an observation counts as at most this far (in log) from the ratio it meets
 WORK_SHARE = 0.1  # a step's own work below this share of its verify's price teaches the verify ratio
+FORWARD_MEMO = 4096  # prices `CostProfile.forward_ms` keeps (a run asks for a few hundred: its contexts x draft sizes)
 # per runner, by (fast path, compiled programs)
 _PROFILES: weakref.WeakKeyDictionary[Runner, dict[tuple[bool, bool], CostProfile]] = weakref.WeakKeyDictionary()
 _BY_FILE: dict[str, CostProfile] = {}  # every profile this process measured or checked, by file: one per shape
@@ -113,8 +114,21 @@ class CostProfile:
         """A target forward of `rows` new tokens over `context` cached ones (interpolated, linear beyond). Never
         priced below the LM head, which every forward runs: a noisy profile (a long-context reading inflated
         by a busy machine) extrapolated down to a short prompt once priced a step at 0 ms."""
-        per_context = [interpolate(self.sizes, costs, rows) for costs in self.monotone_forward]
-        return max(self.head, interpolate(self.contexts, per_context, context))
+        memo = self._forward_memo
+        price = memo.get((rows, context))
+        if price is None:
+            per_context = [interpolate(self.sizes, costs, rows) for costs in self.monotone_forward]
+            price = max(self.head, interpolate(self.contexts, per_context, context))
+            if len(memo) >= FORWARD_MEMO:
+                memo.clear()
+            memo[rows, context] = price
+        return price
+
+    @cached_property  # as `monotone_forward`: prices never change after construction
+    def _forward_memo(self) -> dict[tuple[int, int], float]:
+        """`forward_ms`'s prices asked for so far: a policy prices every draft size a step (each price interpolates a
+        curve per measured context), at the step's context, where a GPU waits for the host."""
+        return {}
 
     @cached_property  # `forward` is never changed after construction (`dataclasses.replace` builds anew)
     def monotone_forward(self) -> list[list[float]]:

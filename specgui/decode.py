@@ -313,12 +313,9 @@ def generate(
                     stop = "cancelled"
                     continue
             context = state.tokens[-4:]
-            plain_ms = state.plain_ms()
             # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing)
             draft = drafter.draft(state)
             rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
-            predicted_ms = plain_ms if ahead is not None else state.step_ms(draft.cost_ms, rows)
-            priced_verify_ms = profile.verify_ms(rows, state.committed)
             # 2. launch: one target forward over the pending token, the tree and any extras
             if ahead is not None:
                 if not _plain(state, draft):
@@ -338,6 +335,11 @@ def generate(
                 if not halted:
                     ahead = _launch(state, Draft(), chain, position=state.committed + 1)
                     ahead.end, ahead.ahead = clock.device.mark(), True
+            #    the step's prices, for its event and the cost model (beside the forward: the draft priced its own),
+            #    from what the cost model learnt before the step before's `learn` below, as the draft's were
+            plain_ms = state.plain_ms()
+            predicted_ms = plain_ms if launched.ahead else state.step_ms(draft.cost_ms, rows)
+            priced_verify_ms = profile.verify_ms(rows, state.committed)
             if done is not None:
                 yield event(done, counted=False)  # 3. event, pipelined: the step before's, beside this forward
                 clock.away(away.pop())

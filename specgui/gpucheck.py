@@ -647,7 +647,7 @@ def compiled_figures(lm: LoadedModel) -> dict[str, Any]:
     cache.programs.graphs = cache.programs.compiled = False  # the eager program's function, called as it is
     inputs = cache.inputs_for(1)
     with torch.inference_mode(), cpu_layers.suspended():  # transformers' modules, as a program on a GPU runs them
-        inputs.load(None, np.zeros(1, dtype=np.int64), [cache.layout(layer, 1) for layer in range(runner.num_layers)],
+        inputs.load(None, np.zeros(1, dtype=np.int64), *cache.bounds(1),
                     np.ones((1, 1), dtype=bool))
         h = runner.embed(torch.zeros(1, 1, dtype=torch.long, device=runner.device))
         with dispatch.EagerOps(ops, lambda: runner.device, lambda: 0):

@@ -22,7 +22,7 @@ from specgui.errors import SpecGUIError
 from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
 from specgui.fastpath.program import Program, Programs, key
 from specgui.fastpath.readout import Readout
-from specgui.kvcache import KVCache, Layout, upload
+from specgui.kvcache import KVCache, upload
 from specgui.runner import Pass, Runner
 
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
@@ -59,12 +59,15 @@ class StaticKVCache(KVCache):
     def store(self) -> StaticKVCache:
         return self
 
-    def layout(self, layer: int, rows: int) -> Layout:
-        n = self.lengths[layer]
-        if n + rows > self.capacity:
-            raise SpecGUIError(f"a forward of {rows} tokens at {n} does not fit the fast path's capacity of "
-                               f"{self.capacity} positions; use --fast-path off")
-        return Layout(n, n, self.columns)
+    def bounds(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where a forward of `rows` tokens reads and writes, every layer at once: (prefix, offset) [L] (`Layout`'s,
+        its columns the cache's): each layer's keys so far are seen, the new ones go right after them. As arrays, not
+        a `Layout` a layer: a pass's 30 of them cost more host time than the rest of its launch (a GPU waits for it)."""
+        n = np.asarray(self.lengths, dtype=np.int64)
+        if int(n.max()) + rows > self.capacity:
+            raise SpecGUIError(f"a forward of {rows} tokens at {int(n.max())} does not fit the fast path's capacity "
+                               f"of {self.capacity} positions; use --fast-path off")
+        return n, n
 
     def view(self, length: int, scratch: bool = False) -> StaticView:
         return StaticView(self, length, scratch)
@@ -136,12 +139,14 @@ class StaticView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return min(self.length, self.store.lengths[layer_idx])
 
-    def layout(self, layer: int, rows: int) -> Layout:
+    def bounds(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """`StaticKVCache.bounds` for this window: keys past it unseen, new ones written to the scratch region (or,
+        `scratch`, right after the window where they fit)."""
         if rows > SCRATCH:
             raise SpecGUIError(f"a read-only pass of {rows} tokens exceeds the fast path's scratch of {SCRATCH}")
-        n = self.get_seq_length(layer)
-        in_place = self.scratch and n + rows <= self.store.capacity
-        return Layout(n, n if in_place else self.store.capacity, self.store.columns)
+        capacity = self.store.capacity
+        n = np.minimum(np.asarray(self.store.lengths, dtype=np.int64), self.length)
+        return n, (np.where(n + rows <= capacity, n, capacity) if self.scratch else np.full_like(n, capacity))
 
     def view(self, length: int, scratch: bool = False) -> StaticView:
         return StaticView(self.store, min(length, self.length), scratch or self.scratch)

@@ -14,6 +14,7 @@ see their cache through `Store`: what of it they read and write.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,15 +22,19 @@ import numpy as np
 import torch
 
 from specgui.fastpath.program import Program, Programs
-from specgui.kvcache import Layout, to_device, upload
+from specgui.kvcache import to_device, upload
 from specgui.runner import Runner
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
 
 
+_BUCKET_OF = [next(b for b in BUCKETS if b >= rows) for rows in range(BUCKETS[-1] + 1)]  # bucket's, by rows
+
+
 def bucket(rows: int) -> int | None:
-    """The bucket a forward of `rows` tokens runs as; None beyond the largest."""
-    return next((b for b in BUCKETS if b >= rows), None)
+    """The bucket a forward of `rows` tokens runs as; None beyond the largest. (A table: a pass asks three times, and
+    its launch is host time a GPU waits for.)"""
+    return _BUCKET_OF[rows] if rows <= BUCKETS[-1] else None
 
 
 class Store(Protocol):
@@ -41,6 +46,14 @@ class Store(Protocol):
     values: list[torch.Tensor]
     tokens: torch.Tensor  # [1, largest bucket] the ids whole-model forwards read
     programs: Programs
+
+
+@functools.lru_cache(maxsize=len(BUCKETS))
+def _eye(rows: int) -> np.ndarray:
+    """The identity of a bucket's block, read-only: made once, not at every pass's load."""
+    eye = np.eye(rows, dtype=np.int64)
+    eye.flags.writeable = False
+    return eye
 
 
 def masks(prefix: torch.Tensor, offset: torch.Tensor, block: torch.Tensor, columns: int) -> torch.Tensor:
@@ -103,9 +116,10 @@ class BucketInputs:
         live = self.live[layer_idx]
         return k.masked_fill(~live, 0), v.masked_fill(~live, 0)
 
-    def load(self, owner: object, positions: np.ndarray, layouts: list[Layout], visible: np.ndarray,
+    def load(self, owner: object, positions: np.ndarray, prefix: np.ndarray, offset: np.ndarray, visible: np.ndarray,
              tokens: np.ndarray | None = None) -> None:
         """Fill these inputs for a forward at `positions` [T] with `visible` [T, T] (bool; both on the host, numpy),
+        each layer's keys in [0, `prefix`) seen and its new ones written from `offset` ([L] each: `Layout`'s),
         unless `owner`'s are here: one upload of [positions, prefixes, offsets, visible block] packed on the host,
         then one program (`builder`, a CUDA graph on a GPU) builds the rotary tables, masks and write indices from
         it, so that a pass's inputs cost the device one copy and one replay, not a launch per operation. `tokens` [T]
@@ -113,15 +127,15 @@ class BucketInputs:
         keeps the id the buffer holds at that row (placed on the device: `passes.chain`, `StaticKVCache.place`)."""
         if self.owner is owner:
             return
-        t, rows, n = positions.shape[0], self.rows, len(layouts)
+        t, rows, n = positions.shape[0], self.rows, prefix.shape[0]
         packed = np.empty(rows + 2 * n + rows * rows + rows, dtype=np.int64)
         packed[:t] = positions
         packed[t:rows] = positions[-1]  # any real position: padded rows are never read
-        packed[rows : rows + n] = [x.prefix for x in layouts]
-        packed[rows + n : rows + 2 * n] = [x.offset for x in layouts]
-        block = np.eye(rows, dtype=np.int64)  # a padded row sees only itself
+        packed[rows : rows + n] = prefix
+        packed[rows + n : rows + 2 * n] = offset
+        block = packed[rows + 2 * n : -rows].reshape(rows, rows)
+        block[:] = _eye(rows)  # a padded row sees only itself
         block[:t, :t] = visible
-        packed[rows + 2 * n : -rows] = block.reshape(-1)
         packed[-rows:] = -1
         if tokens is not None:
             packed[-rows:][:t] = tokens

@@ -9,6 +9,7 @@ before it is read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,14 @@ def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
     return values if isinstance(values, np.ndarray) else values.cpu().numpy()
 
 
+@functools.lru_cache(maxsize=64)
+def _causal(rows: int) -> np.ndarray:
+    """[rows, rows] causal visibility, read-only: made once a size, not at every pass."""
+    tri = np.tri(rows, dtype=bool)
+    tri.flags.writeable = False
+    return tri
+
+
 class StaticPass(Pass):
     """A forward over a `StaticKVCache` (or a view of one): bucketed rows, programs, device-side inputs."""
 
@@ -40,13 +49,13 @@ class StaticPass(Pass):
         t = self.length = self.host_positions.shape[0]
         self.store = cache.store
         self.writes = isinstance(cache, StaticKVCache)  # a view stores nothing
-        self.layouts = [cache.layout(layer, t) for layer in range(runner.num_layers)]
-        self.visible = np.tri(t, dtype=bool) if visibility is None else _host(visibility).astype(bool, copy=False)
+        self.prefix, self.offset = cache.bounds(t)
+        self.visible = _causal(t) if visibility is None else _host(visibility).astype(bool, copy=False)
         self.bucketed = bucket(t) is not None
         self.inputs = self.store.inputs_for(bucket(t) or t)
 
     def _load(self, tokens: np.ndarray | None = None) -> None:
-        self.inputs.load(self, self.host_positions, self.layouts, self.visible, tokens)
+        self.inputs.load(self, self.host_positions, self.prefix, self.offset, self.visible, tokens)
 
     def call(self, program: Program) -> torch.Tensor:
         """Run one of this pass's programs (every program call goes through here: `dispatch` counts them per pass)."""
@@ -117,10 +126,15 @@ class StaticPass(Pass):
 
     def _wrote(self, layers: range, skip: SkipPlan | None) -> None:
         """The cache's lengths after this pass ran the attention of `layers` (those `skip` leaves in)."""
-        if self.writes:
-            for layer, kind in kept_units(skip, layers):
-                if kind == ATTN:
-                    self.store.lengths[layer] = self.layouts[layer].offset + self.length
+        if not self.writes:
+            return
+        lengths = self.store.lengths
+        if skip is None:  # every layer's attention ran: one slice, not a loop over the sub-layers
+            lengths[layers.start : layers.stop] = (self.offset[layers.start : layers.stop] + self.length).tolist()
+            return
+        for layer in layers:
+            if not skip.skips(layer, ATTN):
+                lengths[layer] = int(self.offset[layer]) + self.length
 
     def run_unit(self, h: torch.Tensor, layer: int, kind: int, module: nn.Module | None = None) -> torch.Tensor:
         block = module if module is not None else self.runner.layers[layer]

@@ -30,7 +30,7 @@ from specgui import compiled
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
 from specgui.fastpath.program import Program, key
-from specgui.kvcache import Cache, Layout
+from specgui.kvcache import Cache
 from specgui.runner import ATTN, MLP, VERIFY_TOP, SkipPlan, sublayer, top_of
 
 # a program's `kind` in its key, beside ATTN and MLP (a sub-layer's) and `cache.KEEP` (-2, the cache's keeper):
@@ -98,8 +98,9 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             programs = [program for program in wanted(inputs) if not program.ready]
             if not programs:
                 continue
-            inputs.load(_WARM_UP, np.zeros(rows, dtype=np.int64),
-                        [Layout(0, cache.capacity, cache.columns)] * runner.num_layers, np.eye(rows, dtype=bool))
+            nowhere = np.zeros(runner.num_layers, dtype=np.int64)  # nothing seen, keys written to the scratch
+            inputs.load(_WARM_UP, np.zeros(rows, dtype=np.int64), nowhere, nowhere + cache.capacity,
+                        np.eye(rows, dtype=bool))
             for program in programs:
                 program.prepare()
                 made += 1
