@@ -48,12 +48,13 @@ class Store(Protocol):
     programs: Programs
 
 
-@functools.lru_cache(maxsize=len(BUCKETS))
-def _eye(rows: int) -> np.ndarray:
-    """The identity of a bucket's block, read-only: made once, not at every pass's load."""
-    eye = np.eye(rows, dtype=np.int64)
-    eye.flags.writeable = False
-    return eye
+@functools.lru_cache(maxsize=128)
+def fixed_block(rows: int, causal: bool) -> np.ndarray:
+    """[rows, rows] bool, read-only: the causal block (a pass without a visibility of its own) or the identity (a
+    bucket's padding, a row seeing only itself), made once a size rather than at every pass's launch."""
+    block = np.tri(rows, dtype=bool) if causal else np.eye(rows, dtype=bool)
+    block.flags.writeable = False
+    return block
 
 
 def masks(prefix: torch.Tensor, offset: torch.Tensor, block: torch.Tensor, columns: int) -> torch.Tensor:
@@ -134,7 +135,7 @@ class BucketInputs:
         packed[rows : rows + n] = prefix
         packed[rows + n : rows + 2 * n] = offset
         block = packed[rows + 2 * n : -rows].reshape(rows, rows)
-        block[:] = _eye(rows)  # a padded row sees only itself
+        block[:] = fixed_block(rows, causal=False)  # a padded row sees only itself
         block[:t, :t] = visible
         packed[-rows:] = -1
         if tokens is not None:

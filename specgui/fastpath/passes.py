@@ -9,7 +9,6 @@ before it is read.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from specgui.fastpath.cache import StaticKVCache, StaticView
-from specgui.fastpath.inputs import bucket
+from specgui.fastpath.inputs import bucket, fixed_block
 from specgui.fastpath.program import Program
 from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
 from specgui.runner import ATTN, VERIFY_TOP, Observer, Pass, Runner, SkipPlan, Top, kept_units, sublayer, unit_index
@@ -27,14 +26,6 @@ from specgui.runner import ATTN, VERIFY_TOP, Observer, Pass, Runner, SkipPlan, T
 def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
     """Host values as numpy: an array as it is; a tensor read (on a GPU, a host tensor's read waits for nothing)."""
     return values if isinstance(values, np.ndarray) else values.cpu().numpy()
-
-
-@functools.lru_cache(maxsize=64)
-def _causal(rows: int) -> np.ndarray:
-    """[rows, rows] causal visibility, read-only: made once a size, not at every pass."""
-    tri = np.tri(rows, dtype=bool)
-    tri.flags.writeable = False
-    return tri
 
 
 class StaticPass(Pass):
@@ -50,7 +41,7 @@ class StaticPass(Pass):
         self.store = cache.store
         self.writes = isinstance(cache, StaticKVCache)  # a view stores nothing
         self.prefix, self.offset = cache.bounds(t)
-        self.visible = _causal(t) if visibility is None else _host(visibility).astype(bool, copy=False)
+        self.visible = fixed_block(t, causal=True) if visibility is None else _host(visibility).astype(bool, copy=False)
         self.bucketed = bucket(t) is not None
         self.inputs = self.store.inputs_for(bucket(t) or t)
 

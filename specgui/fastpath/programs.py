@@ -28,7 +28,7 @@ from torch import nn
 
 from specgui import compiled
 from specgui.fastpath.cache import StaticKVCache
-from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
+from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket, fixed_block
 from specgui.fastpath.program import Program, key
 from specgui.kvcache import Cache
 from specgui.runner import ATTN, MLP, VERIFY_TOP, SkipPlan, sublayer, top_of
@@ -100,7 +100,7 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
                 continue
             nowhere = np.zeros(runner.num_layers, dtype=np.int64)  # nothing seen, keys written to the scratch
             inputs.load(_WARM_UP, np.zeros(rows, dtype=np.int64), nowhere, nowhere + cache.capacity,
-                        np.eye(rows, dtype=bool))
+                        fixed_block(rows, causal=False))
             for program in programs:
                 program.prepare()
                 made += 1
