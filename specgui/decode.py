@@ -4,8 +4,9 @@
     prefill: the prompt forward gives the first token (the pending token; its keys are not cached)
     repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
              2. launch   one target forward over [pending] + tree (+ extras); the drafter learns what the next draft
-                         does without (`after_launch`); and where the next step is plain whatever this one's
-                         verdict (`plain_ahead`), its forward too, chained on the device (`fastpath.PlainSteps`)
+                         does without (`after_launch`); and where the device can make the next step's draft whatever
+                         this one's verdict (`ahead`: a plain step, a prompt lookup), its forward too, chained on the
+                         device (`fastpath.PlainSteps`, `fastpath.LookupSteps`)
              3. event    the step before's: the cost model learns it, its text is built, its Step goes out
              4. read     the verifier reads the forward's verdict
              5. accept   the verifier keeps a path and adds its own token
@@ -17,13 +18,15 @@ That is the pipelined loop (`pipeline=True`, the default): a step's event waits 
 launched, so that on a GPU building and handing it out (and the consumer's time with it) overlaps the device's forward
 instead of delaying its launch. Serially (`pipeline=False`, kept for comparison) a step's event goes out right after
 its observe, before the next step's draft. Either way events go out one a step, in order, with the same content, and
-a run that stops launches nothing past its last step, but for a chained plain step after a stop token (unread when
-it was launched; its key is past the end).
+a run that stops launches nothing past its last step, but for a chained step after a stop token (unread when it was
+launched; its keys are past the end).
 
 Pipelined, on the fast path and greedy, plain steps (plain decoding's, and a paused method's while its pause is known
-ahead) chain on the device: step t + 1 is launched before step t is read, its token the one step t's program left on
-the device, and step t's verdict comes back through a pinned host row and an event, so that the device never waits
-for the host's work on a step. Such a step was drafted (empty) at its turn, as any step, so events are unchanged.
+ahead) and prompt lookup's chain on the device: step t + 1 is launched before step t is read, its token (and its
+lookup's n-gram) what step t's program left on the device, and step t's verdict comes back through a pinned host row
+and an event, so that the device never waits for the host's work on a step. Such a step is drafted at its turn on the
+host, as any step (a prompt lookup's draft checked against the device's when the step is read), so events are
+unchanged.
 
 Timing covers only the time spent inside this generator: whatever a consumer does between events
 (rendering, printing) never counts against a method. On CUDA no phase boundary synchronises: the clock's marks are
@@ -47,7 +50,7 @@ import torch
 
 from specgui import compiled, costs, fastpath, kvcache, methods
 from specgui.costs import CostProfile
-from specgui.draft import Draft, Outcome
+from specgui.draft import Draft, Outcome, Rider
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
 from specgui.loading import LoadedModel
@@ -155,10 +158,12 @@ class _Launched:
     logits: torch.Tensor | Top
     extra_logits: torch.Tensor | None = None
     extra_rows: list[int] | None = None
-    chained: bool = False  # a plain step chained on the device (`fastpath.PlainSteps`)
+    chained: bool = False  # a step chained on the device (`fastpath.PlainSteps`, `fastpath.LookupSteps`)
     ready: Any = None  # a chained step's CUDA event: its verdict is on the host behind it
     end: Any = None  # pipelined: the clock's mark right behind its forward
     ahead: bool = False  # launched before the step before it was read
+    promise: Draft | None = None  # launched ahead: the draft the drafter promised (`Drafter.ahead`)
+    drafted: torch.Tensor | None = None  # a prompt lookup's: the ids the device drafted (`fastpath.lookup.check`)
 
     def wait(self) -> None:
         """Before the verdict's read: a chained step's copy to the host has run (not the forwards launched since)."""
@@ -183,7 +188,7 @@ class _Decoded:
     predicted_ms: float
     plain_ms: float
     priced_verify_ms: float
-    ahead: bool  # launched ahead, chained: the cost model learns it as a chained plain step
+    ahead: bool  # a plain step launched ahead, chained: the cost model learns it as one
 
 
 def generate(
@@ -293,9 +298,10 @@ def generate(
             steps.append(step)
             return step
 
-        # plain steps chain on the device where the fast path reads greedy verdicts, pipelined (`fastpath.PlainSteps`)
-        chain = fastpath.PlainSteps(state.cache) if static and sampling.greedy and pipeline else None
-        state.chains = chain is not None
+        # plain steps chain on the device where the fast path reads greedy verdicts, pipelined (`fastpath.PlainSteps`);
+        # prompt lookup's steps run there wherever it reads greedy verdicts, chained where pipelined
+        chains = _Chains(state.cache, pipeline) if state.unread else None
+        state.chains = chains is not None and pipeline
         stop = _stop_reason(lm, state, [first])
         done: _Decoded | None = None  # the step before, decoded and observed, its event not yet out
         ahead: _Launched | None = None  # this step, launched chained before the step before was read
@@ -313,47 +319,58 @@ def generate(
                     stop = "cancelled"
                     continue
             context = state.tokens[-4:]
-            # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing)
+            # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing, or a lookup)
             draft = drafter.draft(state)
-            rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0)
+            rows = (1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0) if draft.lookup is None
+                    else 1 + draft.lookup.size)  # a lookup made on the device verifies its size's rows, found or not
             # 2. launch: one target forward over the pending token, the tree and any extras
             if ahead is not None:
-                if not _plain(state, draft):
-                    raise SpecGUIError(f"{method} promised a plain step and drafted {rows - 1} tokens")
+                if not _kept(state, ahead.promise, draft):
+                    raise SpecGUIError(f"{method} promised a step ahead it did not draft")
                 launched, ahead = ahead, None
             else:
                 clock.mark()
-                launched = _launch(state, draft, chain if _plain(state, draft) else None)
+                launched = _launch(state, draft, chains)
                 if pipeline:
                     clock.mark()  # verify_ms ends with the forward (on a GPU the device's), not what runs beside it
                     launched.end = clock.marks[-1]
             drafter.after_launch(state)  # what the drafter learns beside the forward
-            #    and the step after, where it is plain whatever this one's verdict: chained on the device, launched
-            #    before this one is read
-            if launched.chained and state.generated + 2 <= state.max_new_tokens and drafter.plain_ahead(state):
+            #    and the step after, where the device can make its draft whatever this one's verdict: chained on the
+            #    device, launched before this one is read
+            promise = (drafter.ahead(state) if launched.chained and state.chains  # (room after this step's most)
+                       and state.generated + rows + 1 <= state.max_new_tokens else None)
+            if promise is not None and (promise.lookup is None) == (launched.drafted is None):  # chains of one kind
                 halted = should_stop is not None and should_stop()  # polled before the step, as ever: once
                 if not halted:
-                    ahead = _launch(state, Draft(), chain, position=state.committed + 1)
-                    ahead.end, ahead.ahead = clock.device.mark(), True
+                    ahead = _launch(state, promise, chains, ahead=True)
+                    ahead.end, ahead.ahead, ahead.promise = clock.device.mark(), True, promise
             #    the step's prices, for its event and the cost model (beside the forward: the draft priced its own),
             #    from what the cost model learnt before the step before's `learn` below, as the draft's were
             plain_ms = state.plain_ms()
-            predicted_ms = plain_ms if launched.ahead else state.step_ms(draft.cost_ms, rows)
+            chained_plain = launched.ahead and rows == 1  # learnt as a chained plain step
+            predicted_ms = plain_ms if chained_plain else state.step_ms(draft.cost_ms, rows)
             priced_verify_ms = profile.verify_ms(rows, state.committed)
             if done is not None:
                 yield event(done, counted=False)  # 3. event, pipelined: the step before's, beside this forward
                 clock.away(away.pop())
-            # 4. read the verdict (serially, the clock's mark just before it)
+            # 4. read the verdict (serially, the clock's mark just before it), with a prompt lookup's ids as the device
+            #    drafted them (checked against the host's draft)
+            drafted = [] if launched.drafted is None else [Rider(launched.drafted)]
             verdict = verify(launched.logits, draft, sampling, generator, launched.extra_logits,
-                             extra_rows=launched.extra_rows, riders=state.riders,
+                             extra_rows=launched.extra_rows, riders=state.riders + drafted,
                              before_read=launched.wait if pipeline else clock.mark)
             state.riders = []
+            if drafted:
+                fastpath.lookup.check(drafted[0].values, draft.tokens)
             # 5. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
             emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
             emitted, stop = _cut(lm, state, emitted)
-            # 6. crop: keep the pending token and the accepted nodes' keys, drop the rest (a chained step's one key
-            #    stays as its launch left the cache: a crop now would cut the key of the step launched after it)
-            if not launched.chained:
+            # 6. crop: keep the pending token and the accepted nodes' keys, drop the rest (a chained plain step's one
+            #    key stays as its launch left the cache: a crop now would cut the key of the step launched after it; a
+            #    chained lookup's chain leaves its accepted keys in place, and the cache holds them)
+            if launched.drafted is not None:
+                state.cache.lengths = [state.committed + len(emitted)] * len(state.cache.lengths)
+            elif not launched.chained:
                 state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
             state.tokens.extend(emitted)
             if launched.ahead:  # its time is the device's since the forward before it ended
@@ -370,7 +387,7 @@ def generate(
             observe_ms = clock.host(started, counted=not pipeline or stop is not None)  # else in the next step's span
             state.step += 1
             done = _Decoded(state.step, context, draft, verdict, emitted, rows, draft_ms, verify_ms, observe_ms,
-                            payload, predicted_ms, plain_ms, priced_verify_ms, launched.ahead)
+                            payload, predicted_ms, plain_ms, priced_verify_ms, chained_plain)
 
         generated = tuple(state.tokens[state.prompt_len :])
         text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)
@@ -389,17 +406,48 @@ costs.use_decoder(run)  # the cost model times plain steps with this loop withou
 
 def _plain(state: DecodeState, draft: Draft) -> bool:
     """Whether a step is plain decoding's: nothing drafted, nothing observed or brought along by its forward."""
-    return not len(draft) and draft.extras is None and draft.observer is None and not state.riders
+    return (not len(draft) and draft.extras is None and draft.observer is None and draft.lookup is None
+            and not state.riders)
 
 
-def _launch(state: DecodeState, draft: Draft, chain: fastpath.PlainSteps | None,
-            position: int | None = None) -> _Launched:
-    """2. launch: the step's target forward, chained on the device where `chain` is given (a plain step: at the
-    pending token's `position`, its id the host's, or, for a step launched ahead, the one the step before leaves)."""
-    if chain is None:
+def _kept(state: DecodeState, promise: Draft, draft: Draft) -> bool:
+    """Whether a step launched ahead was drafted as promised: a plain step, or the same prompt lookup."""
+    return draft.lookup == promise.lookup if promise.lookup is not None else _plain(state, draft)
+
+
+class _Chains:
+    """A run's steps chained on the device, made as its steps first want them: plain ones, pipelined
+    (`fastpath.PlainSteps`), and prompt lookup's (`fastpath.LookupSteps`)."""
+
+    def __init__(self, cache: fastpath.StaticKVCache, pipeline: bool) -> None:
+        self.cache, self.pipeline = cache, pipeline
+        self.plain: fastpath.PlainSteps | None = None
+        self.lookups: dict[tuple[int, int], fastpath.LookupSteps] = {}
+
+    def plain_steps(self) -> fastpath.PlainSteps:
+        if self.plain is None:
+            self.plain = fastpath.PlainSteps(self.cache)
+        return self.plain
+
+    def lookup_steps(self, ngrams: tuple[int, int]) -> fastpath.LookupSteps:
+        if ngrams not in self.lookups:
+            self.lookups[ngrams] = fastpath.LookupSteps(self.cache, ngrams)
+        return self.lookups[ngrams]
+
+
+def _launch(state: DecodeState, draft: Draft, chains: _Chains | None, ahead: bool = False) -> _Launched:
+    """2. launch: the step's target forward, chained on the device where it can be: a prompt lookup made there
+    (`Draft.lookup`), or, pipelined, a plain step (at the pending token's position, its id the host's, or, for a step
+    launched `ahead`, the one the step before leaves there, as a lookup finds its n-gram in what that step left)."""
+    lookup = draft.lookup
+    if lookup is not None and chains is None:
+        raise SpecGUIError("a prompt lookup made on the device needs the fast path under greedy decoding")
+    if lookup is not None and (lookup.size or chains.pipeline):  # (serially a lookup of nothing is a plain step)
+        top, ready, drafted = chains.lookup_steps(lookup.ngrams).launch(lookup.size, None if ahead else state.tokens)
+        return _Launched(top, chained=True, ready=ready, drafted=drafted)
+    if chains is None or not chains.pipeline or not _plain(state, draft):
         return _Launched(*_verify_forward(state, draft))
-    top, ready = chain.launch(state.committed if position is None else position,
-                              state.pending if position is None else None)
+    top, ready = chains.plain_steps().launch(state.committed + ahead, None if ahead else state.pending)
     return _Launched(top, chained=True, ready=ready)
 
 

@@ -72,6 +72,17 @@ class OnDevice:
         return self.values.reshape(-1)
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A prompt-lookup draft the device makes at the step's launch (`fastpath.LookupSteps`): up to `size` tokens after
+    the first earlier occurrence of the longest suffix n-gram, n in `ngrams` (shortest, longest). The drafter drafts
+    the same from the host's tokens (`Draft.tokens`), which is what the step shows; the launch makes it from what the
+    device holds, so that it needs no read of the step before (size 0: a plain step that chains with them)."""
+
+    size: int
+    ngrams: tuple[int, int]
+
+
 @dataclass
 class Rider:
     """Device values a drafter needs on the host, read with the step's verdict instead of on their own (ADMG's prompt
@@ -104,6 +115,7 @@ class Draft:
     rows: list[int] | None = None  # after `settle`: each node's index among the nodes the verify carried
     confidences: list[float] | None = None  # after `settle`: each node's draft probability
     spine: list[int] | None = None  # after `settle`: the kept nodes of the drafted chain
+    lookup: Lookup | None = None  # made again on the device at the launch, which verifies `size` + 1 rows
 
     def __post_init__(self) -> None:
         n = len(self.tokens) if self.on_device is None else self.on_device.nodes

@@ -10,8 +10,9 @@ each program, which is what the device waits for. So it is timed, on whatever de
   (`fastpath.Program.__call__`: on a CPU the call, on a GPU the replay's time on the device, from CUDA events).
 - `critical_ms`: the part of it a GPU waits for: from the moment the verdict before was readable on the host (the
   loop's `verify` returned) to the launch of the next forward pass's first program. A loop that launches step t+1
-  before it finishes step t's host work leaves less of it; a step chained on the device (`fastpath.PlainSteps`, its
-  id left there by the step before, launched before that step's read) waits for no read, and leaves none.
+  before it finishes step t's host work leaves less of it; a step chained on the device (`fastpath.PlainSteps`,
+  `fastpath.LookupSteps`: what it needs left there by the step before, launched before that step's read) waits for no
+  read, and leaves none.
 
 Pipelined (`decode.generate`'s default) a step's event goes out after the next step's forward is launched: the
 stretch before it holds that next step's draft and launch (and its critical gap), the first step's two forwards, the
@@ -132,19 +133,17 @@ def _recording(cuda: bool) -> Iterator[_Recorder]:
         rec.read()
         return verdict
 
-    def chained(chain: fastpath.PlainSteps, position: int, pending: int | None) -> Any:
-        if pending is None:  # its id is on the device: this launch waits for no read
+    def launched(*args: Any, ahead: bool = False, **kwargs: Any) -> Any:
+        if ahead:  # what it needs is on the device: this launch waits for no read
             rec.read_at = None
-        return launch(chain, position, pending)
+        return launch(*args, ahead=ahead, **kwargs)
 
-    launch = fastpath.PlainSteps.launch
-    fastpath.Program.__call__, Runner.new_pass, decode.verify = timed_call, opened, read
-    fastpath.PlainSteps.launch = chained
+    launch = decode._launch
+    fastpath.Program.__call__, Runner.new_pass, decode.verify, decode._launch = timed_call, opened, read, launched
     try:
         yield rec
     finally:
-        fastpath.Program.__call__, Runner.new_pass, decode.verify = call, new_pass, verify
-        fastpath.PlainSteps.launch = launch
+        fastpath.Program.__call__, Runner.new_pass, decode.verify, decode._launch = call, new_pass, verify, launch
 
 
 def measured_run(lm: LoadedModel, prompt_ids: list[int], method: str, **kwargs: Any

@@ -84,12 +84,12 @@ def both(lm, prompt, method, monkeypatch, **kwargs):
 
 def assert_same_run(lm, prompt, method, monkeypatch, **kwargs):
     """Pipelined and serial: the same events in type, order and content, timings aside, and a verify forward a step
-    (none launched past the end, but for plain steps chained on the device at a stop token: the step after it is
-    launched before it is read)."""
+    (none launched past the end, but for steps chained on the device at a stop token, plain decoding's and prompt
+    lookup's: the step after it is launched before it is read)."""
     (piped, piped_launched), (serial, serial_launched) = both(lm, prompt, method, monkeypatch, **kwargs)
     assert [type(e) for e in piped] == [type(e) for e in serial]
     assert [untimed(e, method) for e in piped] == [untimed(e, method) for e in serial]
-    steps, chained = serial[-1].steps, method == "baseline" and kwargs.get("fast_path") == "on"
+    steps, chained = serial[-1].steps, method in ("baseline", "pld") and kwargs.get("fast_path") == "on"
     assert serial_launched == steps
     assert piped_launched == steps + (chained and serial[-1].stop == "eos" and steps > 0)
     return decode.Result(piped)

@@ -15,7 +15,8 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
   * `programs`: which programs a pass runs (a stretch of layers, a draft chain, a bucket of rows, a sub-layer),
     made at warm-up or when a method adopts a plan, never inside a timed step;
   * `readout`: the one buffer a greedy step reads, its verify Tops and what rides along with them;
-  * `passes`: `StaticPass`, one forward: inputs loaded, program found, program run.
+  * `passes`: `StaticPass`, one forward: inputs loaded, program found, program run; plain steps chained (`PlainSteps`);
+  * `lookup`: prompt lookup's steps chained on the device, n-gram match, verify and acceptance in one program.
 A step's forward goes through them in turn: `decode` -> `Runner.forward` -> `passes.StaticPass.whole_forward` ->
 `inputs.BucketInputs.load` (one upload, the bucket's builder program replayed) -> `programs.forward_program` (looked
 up in the cache's `program.Programs`) -> `program.Program.__call__` (a replay) -> a verify's `Top`, a view of the
@@ -30,6 +31,7 @@ from typing import Any
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import BUCKETS, bucket, masks
+from specgui.fastpath.lookup import LookupSteps
 from specgui.fastpath.passes import PlainSteps, StaticPass, chain
 from specgui.fastpath.program import Program, compiles_for, overwrite_check
 from specgui.fastpath.programs import (
@@ -46,9 +48,9 @@ from specgui.fastpath.programs import (
 from specgui.fastpath.readout import CHAIN_NODES
 from specgui.runner import Runner
 
-__all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "Piece", "PlainSteps", "Program", "RunLayers",
-           "RunRows", "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain", "checked", "compiles_for",
-           "masks", "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
+__all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "LookupSteps", "Piece", "PlainSteps", "Program",
+           "RunLayers", "RunRows", "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain", "checked",
+           "compiles_for", "masks", "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
 
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")

@@ -53,6 +53,10 @@ class StaticKVCache(KVCache):
         # the token ids every whole-model forward program reads (a bucket's first rows): written by the pass's upload
         # (`BucketInputs.load`) or on the device by a chained draft (`passes.chain`), where the next forward finds them
         self.tokens = torch.zeros(1, BUCKETS[-1], dtype=torch.long, device=device)
+        # the run's tokens as the device knows them, and how many (the pending one's included): where prompt lookup's
+        # steps chained on the device find their n-grams and leave what they accept (`lookup.LookupSteps`)
+        self.history = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.cursor = torch.zeros(1, dtype=torch.long, device=device)
         self.programs = Programs(runner)  # last: its graphs' memory is counted from here
 
     @property

@@ -132,7 +132,7 @@ class Drafter:
     # per-token acceptance the method's paper reports, the policy's prior until its own verdicts say otherwise
     paper_acceptance: ClassVar[float] = PRIOR_ALPHA
     # whether a paused step is a plain step (drafts, records, searches nothing): then its policy serves each pause
-    # whole (`DraftPolicy.whole_pauses`), so the pause is known ahead and its steps chain on the device (`plain_ahead`)
+    # whole (`DraftPolicy.whole_pauses`), so the pause is known ahead and its steps chain on the device (`ahead`)
     pauses_plainly: ClassVar[bool] = False
 
     def __init__(self, runner: Runner, params: Any, sampling: Sampling) -> None:
@@ -169,14 +169,16 @@ class Drafter:
         is launched (on a GPU, beside it): a pool's harvest of n-grams, which then serves the step after next. Called
         at the same point by the serial loop, so both loops draft the same."""
 
-    def plain_ahead(self, state: DecodeState) -> bool:
-        """Whether the next step's draft is a plain step's (nothing drafted, nothing observed) whatever the verdict of
-        the step in flight: then the decode loop launches it before that verdict's read, chained on the device
-        (`fastpath.PlainSteps`), and asks for the draft, as ever, after `observe`. A promise: a draft that breaks it
-        fails the run. Plain decoding always keeps it; a drafter whose paused steps are plain, while its policy's pause
-        lasts (`DraftPolicy.paused_ahead`)."""
+    def ahead(self, state: DecodeState) -> Draft | None:
+        """The next step's draft where the device can make it whatever the verdict of the step in flight: then the
+        decode loop launches it before that verdict's read, chained on the device, and asks for the draft, as ever,
+        after `observe`. A plain step (`Draft()`: `fastpath.PlainSteps`), or a prompt lookup (`Draft(lookup=...)`:
+        `fastpath.LookupSteps`, after a step that was one). A promise: a draft that breaks it fails the run. Plain
+        decoding always makes it; a drafter whose paused steps are plain, while its policy's pause lasts
+        (`DraftPolicy.paused_ahead`); None: the next draft needs this step's verdict on the host."""
         policy = getattr(self, "policy", None)
-        return self.pauses_plainly and isinstance(policy, DraftPolicy) and policy.paused_ahead()
+        paused = self.pauses_plainly and isinstance(policy, DraftPolicy) and policy.paused_ahead()
+        return Draft() if paused else None
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         return {}

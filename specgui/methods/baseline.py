@@ -4,6 +4,7 @@ It is the base `Drafter` unchanged (an empty draft every step), so the loop, cac
 are exactly those the speculative methods use: speedups compare like with like.
 """
 
+from specgui.draft import Draft
 from specgui.methods.base import DecodeState, Drafter, register
 
 
@@ -13,5 +14,5 @@ class Baseline(Drafter):
     title = "Baseline"
     summary = "Plain autoregressive decoding: one target forward per token."
 
-    def plain_ahead(self, state: DecodeState) -> bool:
-        return True
+    def ahead(self, state: DecodeState) -> Draft:
+        return Draft()

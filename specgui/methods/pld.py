@@ -10,6 +10,13 @@ No forward is spent on drafting, which makes it the cheapest check of the drafte
 verifier end to end, and strong wherever output copies input (summaries, code edits). How many of the
 found tokens to copy is the cost model's call (`specgui.methods.policy`): a verify of many tokens is
 nearly free on a GPU and is not on a CPU, and a prompt that rarely repeats itself wants short drafts.
+
+On the fast path under greedy decoding the device makes the lookup (`fastpath.LookupSteps`): the step's program finds
+the n-gram in the tokens the step before left there, so that, pipelined, each step is launched before the one before
+it is read and the device never waits for the host. The host then sizes a step's draft before it reads the verdict
+before it (the plan is chosen beside the forward before, `after_launch`, from what the policy learnt up to the step
+before that, and not cut to what the lookup found: the device cuts it), and looks the draft up itself at the step's
+turn, for its event. The serial loop sizes and launches alike, so both loops draft the same.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from typing import Any
 
 import torch
 
+from specgui import fastpath
 from specgui.costs import time_ms
-from specgui.draft import Draft, Outcome
+from specgui.draft import Draft, Lookup, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.policy import SizedParams
+from specgui.methods.policy import Plan, SizedParams
 from specgui.params import param
 
 
@@ -75,13 +83,19 @@ class PromptLookup(Drafter):
     def setup(self, state: DecodeState) -> None:
         self.lookup_ms = (state.profile.mechanism("pld.lookup", lambda: _lookup_ms(*self.params.ngrams))
                           if state.profile else 0.0)
+        if state.unread:  # the device's lookup programs, made before any step is timed
+            fastpath.lookup.warm_up(state.cache, self.params.ngrams, range(self.params.num_draft + 1))
 
     def begin(self, state: DecodeState) -> None:
         self.index = NgramIndex(*self.params.ngrams)
         self.policy = self.sizing(state, range(1, self.params.num_draft + 1))
         self.drafted, self.exhausted = 0, False
+        self.on_device = state.unread  # the lookup made on the device, sized a step ahead (see the module docstring)
+        self.next: Plan | None = None  # on the device: the next step's plan, chosen beside this step's forward
 
     def draft(self, state: DecodeState) -> Draft:
+        if self.on_device:
+            return self._device_draft(state)
         held = self.policy.paused_ahead()  # a pause served whole: nothing is looked up
         found, n = ([], 0) if held else self.index.lookup(state.tokens, min(self.params.num_draft, state.max_depth))
         if not found and not held:
@@ -93,6 +107,29 @@ class PromptLookup(Drafter):
         self.drafted, self.exhausted = len(tokens), plan.size == len(found)
         return Draft(tokens=tokens, cost_ms=0.0 if held else self.lookup_ms,
                      info={"ngram": n, "plan": plan.to_dict()})
+
+    def _plan(self, state: DecodeState) -> Plan:
+        """The plan of a step whose lookup the device makes: sized before the lookup is known, up to the budget."""
+        return self.policy.choose(lambda k: state.step_ms(self.lookup_ms, 1 + k), state.plain_ms(),
+                                  min(self.params.num_draft, state.max_depth))
+
+    def _device_draft(self, state: DecodeState) -> Draft:
+        """The step's draft as the device makes it (`Lookup`), looked up here too for the step's event: the plan's
+        size of the continuation found, which may be shorter (`exhausted`) or nothing."""
+        plan, self.next = self.next or self._plan(state), None
+        found, n = self.index.lookup(state.tokens, plan.size) if plan.size else ([], 0)
+        self.drafted, self.exhausted = len(found), len(found) < plan.size
+        return Draft(tokens=found, cost_ms=self.lookup_ms if plan.size else 0.0,
+                     info={"ngram": n, "plan": plan.to_dict()}, lookup=Lookup(plan.size, self.params.ngrams))
+
+    def after_launch(self, state: DecodeState) -> None:
+        if self.on_device:
+            self.next = self._plan(state)
+
+    def ahead(self, state: DecodeState) -> Draft | None:
+        if self.on_device:
+            return Draft(lookup=Lookup(self.next.size, self.params.ngrams)) if self.next is not None else None
+        return super().ahead(state)
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:

@@ -239,7 +239,7 @@ class DraftPolicy:
     def paused_ahead(self) -> bool:
         """Whether the next `choose` pauses whatever the verdicts in between: a pause for good still standing, or
         (`whole_pauses`) a pause with steps to serve, or the step after a pause for good, priced early, that pauses.
-        What lets the decode loop launch that step before it reads the one before (`Drafter.plain_ahead`)."""
+        What lets the decode loop launch that step before it reads the one before (`Drafter.ahead`)."""
         if self.early is not None:
             return self.early.size == 0
         return (self.stands > 0 and self.standing is not None) or (self.whole_pauses and self.left > 0
