@@ -40,6 +40,7 @@ steps, a tenth of its time, uncounted.)
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -103,8 +104,12 @@ class _Clock:
         self.marks = [self.device.mark()]
         self.gaps: list[tuple[float, float]] = []  # (from, to) host seconds the generator was away, off CUDA
 
-    def mark(self) -> None:
+    def mark(self, wait: bool = False) -> None:
+        """End a phase; with `wait`, on a GPU, wait until the device has reached the mark (the read that follows reads
+        host memory a copy of the device's fills, behind it)."""
         self.marks.append(self.device.mark())
+        if wait and self.device.cuda:
+            self.marks[-1].synchronize()
 
     def read(self, synced: bool = False) -> list[float]:
         if self.device.cuda and not synced:
@@ -358,7 +363,8 @@ def generate(
             drafted = [] if launched.drafted is None else [Rider(launched.drafted)]
             verdict = verify(launched.logits, draft, sampling, generator, launched.extra_logits,
                              extra_rows=launched.extra_rows, riders=state.riders + drafted,
-                             before_read=launched.wait if pipeline else clock.mark)
+                             before_read=(launched.wait if pipeline
+                                          else functools.partial(clock.mark, wait=launched.ready is not None)))
             state.riders = []
             if drafted:
                 fastpath.lookup.check(drafted[0].values, draft.tokens)

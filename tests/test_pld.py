@@ -66,7 +66,7 @@ def test_on_the_pipelined_fast_path_every_lookup_step_but_the_first_is_launched_
         with fastpath.overwrite_check(), dispatch.counting() as counts:
             runs[pipeline] = result = decode.run(lm, prompt, "pld", pipeline=pipeline, **kwargs)
         assert result.token_ids == baseline_run(lm, prompt, 24).token_ids
-        generated = [1, *itertools.accumulate(len(s.emitted) for s in result.steps)]  # before each step
+        generated = [1 + n for n in itertools.accumulate((len(s.emitted) for s in result.steps), initial=0)]
         at_the_end = sum(generated[i] + step.forward_tokens + 1 > 24 for i, step in enumerate(result.steps[:-1]))
         assert counts.waited == (1 + at_the_end if pipeline else result.summary.steps)
         assert at_the_end < result.summary.steps // 2

@@ -100,7 +100,7 @@ def lookup_program(cache: StaticKVCache, rows: int, ngrams: tuple[int, int]) -> 
             return torch.cat([top.reshape(-1), shown])
 
         control = torch.zeros(2, dtype=torch.long, device=device)
-        return Program(run, control, cache.programs, capturable=True)
+        return Program(run, control, cache.programs, forward.graphs)  # where the forward's layers can be captured
 
     return cache.programs.get(key(None, LOOKUP, rows, *ngrams), make)
 
