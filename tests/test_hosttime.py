@@ -8,6 +8,7 @@ import pytest
 
 from helpers import drafting
 from specgui import bench, decode, fastpath, hosttime
+from specgui.methods.lookahead import Lookahead
 from specgui.methods.pld import PromptLookup
 from specgui.sampling import GREEDY
 
@@ -15,13 +16,14 @@ PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]
 SLEEP_S = 0.05
 
 
-def run(lm, method="pld", tokens=12, pipeline=True):
-    """At the paper's fixed draft sizes: prompt lookup never pauses, so its steps launch after every read."""
+def run(lm, method="lookahead", tokens=12, pipeline=True):
+    """At the paper's fixed draft sizes: Lookahead never pauses, and its drafts need the verdict before them, so its
+    steps launch after every read."""
     return hosttime.measured_run(lm, PROMPT, method, max_new_tokens=tokens, fast_path="on", pipeline=pipeline,
                                  params=drafting(method, None))
 
 
-def launched(steps, pipeline, method="pld"):
+def launched(steps, pipeline, method="lookahead"):
     """The steps whose stretch before their event launched a forward: pipelined, all but the last (the next step's
     forward goes out before a step's event; none after the last step), and for plain steps chained on the device
     (baseline's) all but the last two (the step after next goes out before a step's event); serially all."""
@@ -32,7 +34,7 @@ def launched(steps, pipeline, method="pld"):
 def test_every_step_is_timed_and_the_tokens_are_the_runs(tiny_lm, pipeline):
     result, steps = run(tiny_lm, pipeline=pipeline)
     assert len(steps) == len(result.steps) > 1
-    assert result.token_ids == decode.run(tiny_lm, PROMPT, "pld", max_new_tokens=12, fast_path="on").token_ids
+    assert result.token_ids == decode.run(tiny_lm, PROMPT, "baseline", max_new_tokens=12, fast_path="on").token_ids
     for step in steps:
         assert step.wall_ms >= step.program_ms >= 0 and step.critical_ms >= 0
     # the waited-for gap is host time: pipelined within its step's stretch (the read, then the next launch before the
@@ -46,14 +48,7 @@ def test_every_step_is_timed_and_the_tokens_are_the_runs(tiny_lm, pipeline):
 
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_host_work_after_the_read_is_host_time_the_device_waits_for(tiny_lm, monkeypatch, pipeline):
-    observe = PromptLookup.observe
-
-    def slow(self, state, outcome):
-        if not outcome.prefill:
-            time.sleep(SLEEP_S)
-        return observe(self, state, outcome)
-
-    monkeypatch.setattr(PromptLookup, "observe", slow)
+    slow_observe(monkeypatch, Lookahead)
     _, steps = run(tiny_lm, pipeline=pipeline)
     assert all(step.host_ms >= SLEEP_S * 1000 for step in steps)  # every step's observe sleeps
     # before the next draft: the device waits for it either way, serially on the next step's account (the first
@@ -61,6 +56,29 @@ def test_host_work_after_the_read_is_host_time_the_device_waits_for(tiny_lm, mon
     waited = steps[:-1] if pipeline else steps[1:]
     assert all(step.critical_ms >= SLEEP_S * 1000 for step in waited)
     assert (steps[-1] if pipeline else steps[0]).critical_ms < SLEEP_S * 1000
+
+
+def test_host_work_after_the_read_of_a_lookup_chained_on_the_device_is_not_waited_for(tiny_lm, monkeypatch):
+    """Prompt lookup's steps chained on the device (`fastpath.LookupSteps`): each is launched before the step before
+    it is read, so the host's work after that read (here a slow observe) is host time no forward waits for; only the
+    first step and the last, launched after a read where the budget had no room for a step ahead, wait."""
+    slow_observe(monkeypatch, PromptLookup)
+    result, steps = run(tiny_lm, "pld", 24)
+    assert all(step.host_ms >= SLEEP_S * 1000 for step in steps[1:])
+    chained = [step for step in steps if step.critical_ms < SLEEP_S * 1000]
+    assert len(chained) >= len(steps) // 2 and result.summary.drafted > 0
+
+
+def slow_observe(monkeypatch, drafter):
+    """`drafter`'s observe after every step sleeps `SLEEP_S` first (host work after the read)."""
+    observe = drafter.observe
+
+    def slow(self, state, outcome):
+        if not outcome.prefill:
+            time.sleep(SLEEP_S)
+        return observe(self, state, outcome)
+
+    monkeypatch.setattr(drafter, "observe", slow)
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
