@@ -7,7 +7,9 @@ starts `app.py` as a user does, twice on one fresh cache folder (cold: nothing c
 all of it read back), and times each start from the command to the first answer at its address (the starting page,
 `specgui.ui.placeholder`), to the page's "Running on" and to the calibration's end;
 then, on the warm start, it drives the stage view in a headless chromium and presses Run on the first preset twice,
-recording each race's overall speedup beside its prediction and both runs' prompt forwards (from the page's traces).
+recording each race's overall speedup beside its prediction, both runs' prompt forwards and what a prediction's error
+comes from (the plain step the method was priced against beside the baseline's steps as measured; from the page's
+traces).
 `--save` writes `results/<machine>/startup.json`, which README's first-start paragraph renders.
 """
 
@@ -171,8 +173,13 @@ def read_figures(page: Any) -> dict[str, Any]:
 
 
 def race_figures(traces: list[list[Any]]) -> dict[str, Any]:
-    """A race's overall speedup and its prediction (as the why line reads them) and each run's prompt forward."""
-    from specgui.events import Prefill
+    """A race's overall speedup and its prediction (as the why line reads them), each run's prompt forward, and what
+    the prediction's error comes from: the plain step the method's run was priced against (`plain_priced_ms`, the
+    median of its steps' `plain_ms`) beside the baseline's own steps as measured (`baseline_step_ms`, their median),
+    and the method's measured time over its predicted (`method_measured_over_predicted`)."""
+    import statistics
+
+    from specgui.events import Prefill, Step
     from specgui.ui.runs import assign_panes
     from specgui.ui.view import RunView, why
 
@@ -183,9 +190,15 @@ def race_figures(traces: list[list[Any]]) -> dict[str, Any]:
     if reason is None:
         raise SpecGUIError("a race without both runs measured")
     prefill = {pane: next(e.ms for e in view.events if isinstance(e, Prefill)) for pane, view in panes.items()}
+    steps = {pane: [e for e in view.events if isinstance(e, Step)] for pane, view in panes.items()}
+    measured = {pane: [s.draft_ms + s.verify_ms + s.overhead_ms for s in found] for pane, found in steps.items()}
+    predicted = sum(s.predicted_ms for s in steps["method"])
     return {"method": panes["method"].method, "overall": round(reason.overall, 3),
             "predicted": round(reason.predicted, 3) if reason.predicted is not None else None,
-            "per_step": round(reason.per_step, 3), "prefill_ms": {k: round(v, 1) for k, v in prefill.items()}}
+            "per_step": round(reason.per_step, 3), "prefill_ms": {k: round(v, 1) for k, v in prefill.items()},
+            "plain_priced_ms": round(statistics.median(s.plain_ms for s in steps["method"]), 2),
+            "baseline_step_ms": round(statistics.median(measured["baseline"]), 2),
+            "method_measured_over_predicted": round(sum(measured["method"]) / predicted, 3) if predicted else None}
 
 
 def measure(cache: Path | None, port: int, cold: bool = True) -> dict[str, Any]:
