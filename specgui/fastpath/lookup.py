@@ -27,7 +27,7 @@ from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import bucket, fixed_block
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
-from specgui.fastpath.readout import width
+from specgui.fastpath.readout import HostRows, width
 from specgui.kvcache import upload
 from specgui.runner import VERIFY_TOP, Top
 
@@ -109,17 +109,13 @@ class LookupSteps:
     """A run's prompt-lookup steps on the device (`lookup_program`), launched by the host, each before the one before
     it is read where the host's policy sizes it without that verdict (`methods.pld`).
 
-    A step's row (its `Top` and drafted ids) is copied to a pinned host row right after its replay, an event recorded
-    behind the copy, as `PlainSteps` does: reading step t waits for that event, not for step t + 1. A step launched
+    A step's row (its `Top` and drafted ids) is copied to a pinned host row right after its replay, as `PlainSteps`
+    does (`readout.HostRows`): reading step t waits for step t alone, not for step t + 1. A step launched
     with the host's tokens (a chain's first, or after a read) first uploads what the device's history lacks of them."""
-
-    SLOTS = 4  # pinned rows, reused in turn: at most two steps are in flight
 
     def __init__(self, cache: StaticKVCache, ngrams: tuple[int, int]) -> None:
         self.cache, self.ngrams = cache, ngrams
-        self.cuda = cache.runner.device.type == "cuda"
-        self.host = torch.zeros(self.SLOTS, cache.tokens.shape[1] * (width(VERIFY_TOP) + 1), pin_memory=self.cuda)
-        self.slot = 0
+        self.host = HostRows(cache.tokens.shape[1] * (width(VERIFY_TOP) + 1), cache.runner.device)
         self.synced = 0  # the history's ids the host uploaded (the device's own steps wrote the rest, the same ids)
 
     def launch(self, size: int, tokens: list[int] | None) -> tuple[Top, torch.cuda.Event | None, torch.Tensor]:
@@ -140,13 +136,7 @@ class LookupSteps:
         step = cache.runner.new_pass(np.zeros(1, dtype=np.int64), cache)  # a forward pass of its own (counted)
         out = step.call(program)
         cache.inputs_for(rows).owner = None  # built on the device: the next pass of this bucket loads its own
-        host = self.host[self.slot, : out.numel()]
-        self.slot = (self.slot + 1) % self.SLOTS
-        host.copy_(out, non_blocking=True)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
+        host, event = self.host.copy(out)
         tops = rows * width(VERIFY_TOP)
         return Top(host[:tops].view(rows, -1), VERIFY_TOP), event, host[tops:]
 
@@ -155,7 +145,7 @@ def check(drafted: list[float], tokens: list[int]) -> None:
     """After the step's read: the ids the device drafted (`LookupSteps.launch`'s view as read, -1 past the draft) are
     the host's draft `tokens`; else a one-line error (the step's verdict was of another draft)."""
     ids = [int(v) for v in drafted[1:] if v >= 0]
-    if ids != tokens[: len(ids)] or len(ids) != len(tokens):
+    if ids != tokens:
         raise SpecGUIError(f"the device's prompt lookup drafted {ids}, the host's {tokens}: a bug, please report it")
 
 

@@ -20,6 +20,7 @@ from specgui.fastpath.cache import StaticKVCache, StaticView
 from specgui.fastpath.inputs import bucket, fixed_block
 from specgui.fastpath.program import Program
 from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
+from specgui.fastpath.readout import HostRows
 from specgui.runner import ATTN, VERIFY_TOP, Observer, Pass, Runner, SkipPlan, Top, kept_units, sublayer, unit_index
 
 
@@ -181,18 +182,14 @@ class PlainSteps:
 
     Each step's verdict (its row of the chain's buffer, `readout.ring`) is copied to a pinned host row right after its
     replay, and an event recorded behind the copy: reading step t waits for that event, not for step t + 1's replay,
-    which the device runs meanwhile. The inputs are loaded (one upload) where a chain starts or its buffer is full
-    (`readout.CHAIN` rows), or where another pass loaded the one-row inputs since."""
-
-    SLOTS = 4  # pinned rows, reused in turn: at most two steps are in flight
+    which the device runs meanwhile (`readout.HostRows`). The inputs are loaded (one upload) where a chain starts or its
+    buffer is full (`readout.CHAIN` rows), or where another pass loaded the one-row inputs since."""
 
     def __init__(self, cache: StaticKVCache) -> None:
         self.cache = cache
         self.inputs = cache.inputs_for(1)
         self.program, self.ring = chained_program(cache, self.inputs, None, 1)
-        self.cuda = cache.runner.device.type == "cuda"
-        self.host = torch.zeros(self.SLOTS, self.ring.shape[1], pin_memory=self.cuda)
-        self.slot = 0
+        self.host = HostRows(self.ring.shape[1], cache.runner.device)
         self.loaded: StaticPass | None = None  # the pass whose load the inputs hold (moved on by the replays since)
         self.origin = self.at = -1  # the position of the buffer's first row, and the next replay's
 
@@ -211,13 +208,7 @@ class PlainSteps:
         step.call(self.program)
         self.at = position + 1
         cache.lengths = [position + 1] * len(cache.lengths)
-        host = self.host[self.slot : self.slot + 1]
-        self.slot = (self.slot + 1) % self.SLOTS
-        host.copy_(self.ring[position - self.origin : position - self.origin + 1], non_blocking=True)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
+        host, event = self.host.copy(self.ring[position - self.origin : position - self.origin + 1])
         return Top(host, VERIFY_TOP), event
 
 

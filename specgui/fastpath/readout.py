@@ -45,3 +45,28 @@ class Readout:
         along (a draft chain's Tops, Fractal's slot guesses; one user a step); None where they do not fit."""
         end = self.start + count
         return self.buffer[self.start : end] if end <= self.buffer.numel() else None
+
+
+class HostRows:
+    """Pinned host rows a chained step's values are copied to right behind its replay, an event recorded behind the
+    copy (`passes.PlainSteps`, `lookup.LookupSteps`): reading step t waits for that event, not for the steps launched
+    since, which the device runs meanwhile. Reused in turn: at most two steps are in flight."""
+
+    SLOTS = 4
+
+    def __init__(self, floats: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.rows = torch.zeros(self.SLOTS, floats, pin_memory=self.cuda)
+        self.slot = 0
+
+    def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`values` (float32, at most a row's floats) copied into the next row, as their shape; and the event to wait
+        for before reading it (None off CUDA, where the copy has run)."""
+        host = self.rows[self.slot, : values.numel()].view(values.shape)
+        self.slot = (self.slot + 1) % self.SLOTS
+        host.copy_(values, non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return host, event
