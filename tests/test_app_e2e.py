@@ -91,7 +91,7 @@ def test_page_run_streams_both_panes_then_the_summary(served, monkeypatch):
     live = updates[:next(i for i, u in enumerate(updates) if app.speedup in u and "per step" in u[app.speedup])]
     first_baseline = next(i for i, u in enumerate(live) if app.b_stats in u and "tokens" in u[app.b_stats])
     last_method = max(i for i, u in enumerate(live) if app.m_tokens in u)
-    assert last_method < first_baseline  # the method finished before baseline began (the race comes after)
+    assert first_baseline < last_method  # side by side (the eager path): baseline's pane fills beside the method's
     final = shown(updates)
     assert "break-even tau" in final[app.speedup] and "identical to baseline" in final[app.speedup]
     assert final[app.status].endswith("done</div>") and final[app.step]["maximum"] >= 2

@@ -1,4 +1,4 @@
-"""The run controller: decoding on the device thread, method-then-baseline order, cache, stop, replay pace."""
+"""The run controller: decoding on the device thread, method and baseline side by side, cache, stop, replay pace."""
 
 import json
 import threading
@@ -13,6 +13,7 @@ from specgui import costs, decode
 from specgui.errors import SpecGUIError
 from specgui.events import Start, Step, Summary
 from specgui.sampling import Sampling
+from specgui.text import encode_prompt
 from specgui.ui import runs
 from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, StopFlags, Worker
 
@@ -63,12 +64,12 @@ def test_decoding_runs_on_the_one_device_thread(tiny_lm):
     assert seen == {runs.DEVICE.submit(threading.get_ident).result()}
 
 
-def test_live_runs_the_method_then_a_fresh_baseline_and_reuses_one_only_when_asked(store):
+def test_live_runs_the_method_beside_a_fresh_baseline_and_reuses_one_only_when_asked(store):
     cache = BaselineCache()
     ticks = list(runs.live(store, cache, request(), threading.Event()))
     panes = [t.pane for t in ticks if not t.status]
     assert ticks[0].status.startswith("loading model")
-    assert panes == sorted(panes, key=[METHOD, BASELINE].index) and set(panes) == {METHOD, BASELINE}
+    assert panes[0] == METHOD and set(panes) == {METHOD, BASELINE}
     first_baseline = [e for t in ticks if t.pane == BASELINE for e in t.events]
     assert isinstance(first_baseline[-1], Summary) and all(t.cached_at is None for t in ticks)
 
@@ -85,11 +86,11 @@ def test_live_runs_the_method_then_a_fresh_baseline_and_reuses_one_only_when_ask
     assert all(t.cached_at is None for t in other if t.pane == BASELINE)  # other settings: a fresh baseline
 
 
-def test_repeats_alternate_method_and_baseline(store):
+def test_repeats_run_their_pairs_in_turn(store):
     ticks = [t for t in runs.live(store, BaselineCache(), request(repeats=3), threading.Event()) if not t.status]
-    order = [(t.repeat, t.pane) for t in ticks]
-    assert [key for i, key in enumerate(order) if i == 0 or key != order[i - 1]] == [
-        (0, METHOD), (0, BASELINE), (1, METHOD), (1, BASELINE), (2, METHOD), (2, BASELINE)]
+    repeats = [t.repeat for t in ticks]
+    assert repeats == sorted(repeats) and {(t.repeat, t.pane) for t in ticks} == {
+        (r, pane) for r in range(3) for pane in (METHOD, BASELINE)}
     for repeat in range(3):
         for pane in (METHOD, BASELINE):
             events = [e for t in ticks if (t.repeat, t.pane) == (repeat, pane) for e in t.events]
@@ -104,7 +105,7 @@ def test_baseline_as_the_method_is_a_noise_check_against_a_fresh_baseline(store)
     assert shape(baseline) == shape(method)  # the same decode, timed twice
 
 
-def test_stop_ends_the_method_run_and_skips_baseline(store, tiny_lm, monkeypatch):
+def test_stop_ends_both_runs_and_caches_no_baseline(store, tiny_lm, monkeypatch):
     stop, cache = threading.Event(), BaselineCache()
     ticks = []
     # baseline: one token a forward, each at least 2 ms, so 1000 tokens outlast the first 0.5 s batch on any machine
@@ -114,9 +115,11 @@ def test_stop_ends_the_method_run_and_skips_baseline(store, tiny_lm, monkeypatch
         ticks.append(tick)
         if tick.pane == METHOD and tick.events:
             stop.set()
-    events = [e for t in ticks for e in t.events]
-    assert events[-1].stop == "cancelled" and events[-1].new_tokens < 1000
-    assert all(t.pane == METHOD for t in ticks if not t.status)
+    for pane in (METHOD, BASELINE):
+        events = [e for t in ticks if t.pane == pane for e in t.events]
+        assert events[-1].stop == "cancelled" and events[-1].new_tokens < 1000
+    key = BaselineCache.key(tiny_lm, encode_prompt(tiny_lm.tokenizer, PROMPT), Sampling(), 1000)
+    assert cache.get(key) is None  # a stopped run is no baseline
     assert not store.busy.locked()
 
 
@@ -258,13 +261,47 @@ def test_a_stale_saved_profile_prices_the_run_with_a_notice_and_is_measured_agai
 
 
 def test_a_live_run_hands_over_nothing_while_its_prompt_forward_runs():
-    """The page draws no frame during a prompt forward (`after_prefill`): its first batch holds the Prefill, even when
-    the Start came many frames earlier; the API's batches (without it) hand the Start over on its own."""
+    """The page draws no frame during a prompt forward (`prefills`): its first batch holds the Prefill, even when
+    the Start came many frames earlier (side by side, both Prefills); the API's batches (without it) hand the Start
+    over on its own."""
     def source(should_stop):
         yield start()
         time.sleep(0.2)  # a prompt forward twenty frames long
         yield prefill()
 
-    first = next(Worker(source, threading.Event()).batches(0.01, after_prefill=True))
+    first = next(Worker(source, threading.Event()).batches(0.01, prefills=1))
     assert [type(e).__name__ for e in first] == ["Start", "Prefill"]
     assert [type(e).__name__ for e in next(Worker(source, threading.Event()).batches(0.01))] == ["Start"]
+    first = next(Worker(runs.side_by_side(source, source), threading.Event()).batches(0.01, prefills=2))
+    assert [(pane, type(e).__name__) for pane, e in first] == [(METHOD, "Start"), (METHOD, "Prefill"),
+                                                               (BASELINE, "Start"), (BASELINE, "Prefill")]
+
+
+def test_side_by_side_runs_a_step_of_each_in_turn_and_times_neither_with_the_other(tiny_lm):
+    """The run behind in tokens goes next (the method on a tie), both prompt forwards first; each run's tokens are its
+    own decode's, and its clock leaves out the other's work (here a baseline that spends 40 ms before each step's
+    event: a second in all, none of it in the method's time)."""
+    ids = encode_prompt(tiny_lm.tokenizer, PROMPT)
+    req = request(max_new_tokens=24)
+    baseline = runs.decode_source(tiny_lm, ids, "baseline", req)
+
+    def busy_baseline(should_stop):
+        for event in baseline(should_stop):
+            if isinstance(event, Step):
+                time.sleep(0.04)
+            yield event
+
+    items = list(runs.side_by_side(runs.decode_source(tiny_lm, ids, "pld", req), busy_baseline)(lambda: False))
+    kinds = [(pane, type(e).__name__) for pane, e in items]
+    assert kinds[:4] == [(METHOD, "Start"), (METHOD, "Prefill"), (BASELINE, "Start"), (BASELINE, "Prefill")]
+    made = {METHOD: 1, BASELINE: 1}
+    for pane, event in items[4:]:
+        if isinstance(event, Step):
+            other = BASELINE if pane == METHOD else METHOD
+            assert made[pane] < made[other] or (made[pane] == made[other] and pane == METHOD)  # it was behind
+            made[pane] += len(event.emitted)
+    method = [e for pane, e in items if pane == METHOD]
+    assert shape(method) == shape(decode.run(tiny_lm, ids, "pld", max_new_tokens=24).events)
+    assert shape([e for pane, e in items if pane == BASELINE]) == shape(
+        decode.run(tiny_lm, ids, "baseline", max_new_tokens=24).events)
+    assert method[-1].wall_s < 0.5  # the baseline's second is not the method's

@@ -70,7 +70,7 @@ QUEUE_SIZE = 64  # requests waiting for the device; more are refused at once (gr
 RACE_SPEEDS = [("1×", 1.0), ("0.5×", 0.5), ("0.25×", 0.25)]
 INTRO = """# SpecGUI
 Self-speculative decoding, one draft → verify step at a time. Pick a preset and press **Run**: the method and
-plain `baseline` decode the same prompt **one after the other, never at once**, then race side by side at
+plain `baseline` decode the same prompt **a step of each in turn, never at once**, then race side by side at
 their recorded pace. Times count decoding only (drawing the page is not counted)."""
 STAGE_CLASS = "sg-stage"
 # In <head>, so the stage layout is there from the first paint; the box then mirrors it (STAGE_LOAD_JS).
@@ -433,7 +433,8 @@ class App:
             max_new: float, example: str | None, prompt: str, repeats: float, reuse_baseline: bool,
             race_speed: float, fast_path: str, compile: str, *params: Any,
             session: str = "local") -> Iterator[dict]:
-        """Live: the method, then baseline, `repeats` times in turn, streamed into the panes; the verdict; the race."""
+        """Live: the method and baseline (`runs.live`), `repeats` times, streamed into the panes; the verdict; the
+        race."""
         try:
             model = self._checked_model(model)
             n, note = controls.clamp_tokens(max_new)
