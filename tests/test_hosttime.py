@@ -10,6 +10,7 @@ from helpers import drafting
 from specgui import bench, decode, fastpath, hosttime
 from specgui.methods.lookahead import Lookahead
 from specgui.methods.pld import PromptLookup
+from specgui.methods.policy import DraftPolicy
 from specgui.sampling import GREEDY
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]
@@ -67,6 +68,24 @@ def test_host_work_after_the_read_of_a_lookup_chained_on_the_device_is_not_waite
     assert all(step.host_ms >= SLEEP_S * 1000 for step in steps[1:])
     chained = [step for step in steps if step.critical_ms < SLEEP_S * 1000]
     assert len(chained) >= len(steps) // 2 and result.summary.drafted > 0
+
+
+@pytest.mark.parametrize("method", ["clasp", "pld"])
+def test_a_drafts_sizing_is_priced_beside_the_forward_not_waited_for(tiny_lm, monkeypatch, method):
+    """On the device's path the next step's plan is chosen beside this step's forward (`DraftPolicy.plan_ahead`):
+    pricing every draft size (here slowed) is host time no forward waits for. (The first step's plan is priced at its
+    turn, after the prompt's read: it is left out.)"""
+    priced = DraftPolicy._priced
+
+    def slow(self, *args, **kwargs):
+        time.sleep(SLEEP_S)
+        return priced(self, *args, **kwargs)
+
+    monkeypatch.setattr(DraftPolicy, "_priced", slow)
+    result, steps = run(tiny_lm, method, 16)
+    priced_steps = [step for step in steps if step.host_ms >= SLEEP_S * 1000]  # (none near the budget's end)
+    assert result.summary.drafted > 0 and len(priced_steps) >= len(steps) // 2
+    assert not any(step.critical_ms >= SLEEP_S * 1000 for step in steps[1:])
 
 
 def slow_observe(monkeypatch, drafter):

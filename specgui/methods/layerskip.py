@@ -24,6 +24,8 @@ not negligible, so a draft may run a token further than it would with the full h
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,11 +251,20 @@ class LayerSkipDrafter(Drafter):
         payload. CLaSp searches its skip set here when one is due; nothing by default."""
         return 0.0, {}
 
+    def _sizing(self, state: DecodeState, depth: int) -> tuple[Callable[[int], float], float, int]:
+        """The policy's arguments for a draft of at most `depth` tokens: what a step drafting k costs, and plain
+        decoding's step."""
+        token_ms, overhead_ms = self.token_ms(state), self.overhead_ms()
+        return ((lambda k: state.step_ms(k * token_ms + overhead_ms, 1 + self.rows(k))), state.plain_ms(),
+                max(0, min(self.params.max_draft, depth)))
+
     def draft(self, state: DecodeState) -> Draft:
-        token_ms = self.token_ms(state)
         depth = min(self.params.max_draft, state.max_depth)
-        sizing = self.policy.choose(lambda k: state.step_ms(k * token_ms + self.overhead_ms(), 1 + self.rows(k)),
-                                    state.plain_ms(), depth)
+        if state.unread:  # the plan chosen beside the forward before (`after_launch`), cut to the budget left now
+            sizing = self.policy.take(*self._sizing(state, depth))
+            sizing = sizing if sizing.size <= depth else dataclasses.replace(sizing, size=depth)
+        else:
+            sizing = self.policy.choose(*self._sizing(state, depth))
         self.sizing_plan = sizing
         drafting = sizing.size > 0
         prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})
@@ -275,6 +286,14 @@ class LayerSkipDrafter(Drafter):
         info["exit"] = {"threshold": self.exit.value, "confidences": confidences, "reason": shown.reason}
         cost = len(shown.tokens) * self.token_ms(state) + prepared_ms
         return Draft(**fields, observer=self.observer(), info=info, cost_ms=cost)
+
+    def after_launch(self, state: DecodeState) -> None:
+        """On the device's path (`DecodeState.unread`) the next step's plan is chosen here, beside this step's
+        forward, not between this step's read and the next draft's launch, where the device would wait for the
+        pricing of every size (`DraftPolicy.plan_ahead`; this step emits a token at least: the next has that much less
+        room)."""
+        if state.unread:
+            self.policy.plan_ahead(*self._sizing(state, state.max_depth - 1))
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The fixed-shape draft an `UnreadChain` verifies as (`proposal`'s counterpart): the chain itself here."""

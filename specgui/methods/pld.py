@@ -23,6 +23,7 @@ under the same prices (pipelined, the cost model learns a step later: `decode.ge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from specgui import fastpath
 from specgui.costs import time_ms
 from specgui.draft import Draft, Lookup, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.policy import Plan, SizedParams
+from specgui.methods.policy import SizedParams
 from specgui.params import param
 
 
@@ -93,8 +94,6 @@ class PromptLookup(Drafter):
         self.policy = self.sizing(state, range(1, self.params.num_draft + 1))
         self.drafted, self.exhausted = 0, False
         self.on_device = state.unread  # the lookup made on the device, sized a step ahead (see the module docstring)
-        self.next: tuple[Plan, bool] | None = None  # on the device: the next step's plan, chosen beside this forward
-        self.planned: tuple[Plan, bool] | None = None  # on the device: this step's
 
     def draft(self, state: DecodeState) -> Draft:
         if self.on_device:
@@ -111,18 +110,16 @@ class PromptLookup(Drafter):
         return Draft(tokens=tokens, cost_ms=0.0 if held else self.lookup_ms,
                      info={"ngram": n, "plan": plan.to_dict()})
 
-    def _plan(self, state: DecodeState, room: int) -> tuple[Plan, bool]:
-        """The plan of a step whose lookup the device makes, sized before the lookup is known, up to `room` tokens of
-        the budget, and whether the policy serves it as a pause whole (`DraftPolicy.held`, which `learn` reads)."""
-        plan = self.policy.choose(lambda k: state.step_ms(self.lookup_ms, 1 + k), state.plain_ms(),
-                                  min(self.params.num_draft, max(0, room)))
-        return plan, self.policy.held
+    def _sizing(self, state: DecodeState, room: int) -> tuple[Callable[[int], float], float, int]:
+        """`DraftPolicy.take`'s and `plan_ahead`'s arguments for a lookup the device makes, sized before the lookup is
+        known, up to `room` tokens of the budget."""
+        return (lambda k: state.step_ms(self.lookup_ms, 1 + k)), state.plain_ms(), min(self.params.num_draft,
+                                                                                         max(0, room))
 
     def _device_draft(self, state: DecodeState) -> Draft:
         """The step's draft as the device makes it (`Lookup`), looked up here too for the step's event: the plan's
         size of the continuation found, which may be shorter (`exhausted`) or nothing."""
-        (plan, held), self.next = self.next or self._plan(state, state.max_depth), None
-        self.planned = plan, held  # what `learn` folds this step's verdict in as (the next plan is chosen before it)
+        plan = self.policy.take(*self._sizing(state, state.max_depth))
         found, n = self.index.lookup(state.tokens, plan.size) if plan.size else ([], 0)
         self.drafted, self.exhausted = len(found), len(found) < plan.size
         return Draft(tokens=found, cost_ms=self.lookup_ms if plan.size else 0.0,
@@ -130,18 +127,16 @@ class PromptLookup(Drafter):
 
     def after_launch(self, state: DecodeState) -> None:
         if self.on_device:  # (this step emits at least one token: the next has that much less room)
-            self.next = self._plan(state, state.max_depth - 1)
+            self.policy.plan_ahead(*self._sizing(state, state.max_depth - 1))
 
     def ahead(self, state: DecodeState) -> Draft | None:
         if self.on_device:
-            return Draft(lookup=Lookup(self.next[0].size, self.params.ngrams)) if self.next is not None else None
+            planned = self.policy.next
+            return Draft(lookup=Lookup(planned[0].size, self.params.ngrams)) if planned is not None else None
         return super().ahead(state)
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
-            if self.on_device:  # the verdict folds into the curve its plan was priced by, settled as what it was
-                plan, self.policy.held = self.planned
-                self.policy.regime = plan.regime
             self.policy.learn(outcome.path, self.drafted, self.exhausted, len(outcome.emitted), outcome.priced)
         self.index.update(state.tokens)
         return {}

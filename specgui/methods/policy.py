@@ -131,6 +131,8 @@ class DraftPolicy:
         self.pausing: Plan | None = None
         self.early: Plan | None = None  # the next step's plan, priced on the last step of a pause for good
         self.held = False  # the last plan was a pause served whole (not settled: it was no drafting step)
+        self.next: tuple[Plan, bool] | None = None  # chosen ahead (`plan_ahead`): the next step's plan and `held`
+        self.planned: tuple[Plan, bool] | None = None  # the step's plan as `take` gave it: what `learn` folds it in as
         self.tokens = self.cost = 0.0  # drafting as a whole: decayed tokens, and price in plain steps (`settle`)
         self.settled = 0  # steps settled since the last pause
         self.rest = 1  # length of the next pause `settle` calls (doubling while drafting keeps losing)
@@ -187,6 +189,22 @@ class DraftPolicy:
             return self.standing
         return self._priced(cost, plain_ms, sizes)
 
+    def plan_ahead(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> None:
+        """Choose the next step's plan now (`choose`), before this step's verdict is learnt: beside this step's
+        forward, where the device would otherwise wait for the pricing between the verdict's read and the next
+        launch (`take` hands it out). The plan is priced by the curve of the regime the step before left and what
+        the cost model learnt up to it; `limit` is what the drafter can offer whatever this step emits."""
+        self.next = self.choose(cost, plain_ms, limit), self.held
+
+    def take(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
+        """This step's plan: the one chosen ahead (`plan_ahead`), else chosen now. `learn` then folds the step's
+        verdict into the curve that plan was priced by and settles it as what it was (the next plan may be chosen
+        before the verdict is learnt, leaving `regime` and `held` describing that one)."""
+        if self.next is None:
+            self.plan_ahead(cost, plain_ms, limit)
+        self.planned, self.next = self.next, None
+        return self.planned[0]
+
     def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
         """`choose`'s plan where the sizes are priced."""
         plan = functools.partial(Plan, regime=self.regime)  # every plan names the curve that priced it
@@ -239,7 +257,10 @@ class DraftPolicy:
     def paused_ahead(self) -> bool:
         """Whether the next `choose` pauses whatever the verdicts in between: a pause for good still standing, or
         (`whole_pauses`) a pause with steps to serve, or the step after a pause for good, priced early, that pauses.
-        What lets the decode loop launch that step before it reads the one before (`Drafter.ahead`)."""
+        What lets the decode loop launch that step before it reads the one before (`Drafter.ahead`). Where the next
+        plan was chosen ahead (`plan_ahead`), whether it drafts nothing."""
+        if self.next is not None:
+            return self.next[0].size == 0
         if self.early is not None:
             return self.early.size == 0
         return (self.stands > 0 and self.standing is not None) or (self.whole_pauses and self.left > 0
@@ -252,6 +273,9 @@ class DraftPolicy:
         evidence of every size, so what no step re-checks (a size above the ones drafted lately) drifts back
         to the prior instead of locking that size out for good after one bad verdict. `emitted` and `priced`: the
         step's tokens and its price in plain steps (`Outcome.priced`), which `settle` weighs."""
+        if self.planned is not None:  # taken (`take`): the step's own regime and `held`, not the next plan's
+            plan, self.held = self.planned
+            self.regime = plan.regime
         if priced > 0:
             self.settle(emitted, priced)
         if verified == 0:
