@@ -70,7 +70,7 @@ def test_host_work_after_the_read_of_a_lookup_chained_on_the_device_is_not_waite
     assert len(chained) >= len(steps) // 2 and result.summary.drafted > 0
 
 
-@pytest.mark.parametrize("method", ["clasp", "pld"])
+@pytest.mark.parametrize("method", ["clasp", "fractal", "pld"])
 def test_a_drafts_sizing_is_priced_beside_the_forward_not_waited_for(tiny_lm, monkeypatch, method):
     """On the device's path the next step's plan is chosen beside this step's forward (`DraftPolicy.plan_ahead`):
     pricing every draft size (here slowed) is host time no forward waits for. (The first step's plan is priced at its

@@ -53,7 +53,10 @@ whose starting token the first fractal layer guessed too, on the eager CPU path)
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -415,17 +418,12 @@ class Fractal(Drafter):
         # drafts accepted 98-100% of the time was paused on this CPU from the prior on (held-out, 0.99x).
         # (All of it but the verify is the method's own work, priced by the profile: `step_ms` corrects it.)
         own = state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
-        extra = max(0.0, own - state.forward_ms(1))
-        slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
-        steady = 0.0 if self.params.carry else extra
-        whole = self.policy.whole()
-
-        def cost(n: int) -> float:
-            breaks = 1.0 - whole[n] if self.params.carry else 0.0
-            passes = self._passes_ms(state, 1 + n + slots) if slots else 0.0
-            return state.step_ms(steady + breaks * extra + passes, 1 + n + slots)
-
-        sizing = self.policy.choose(cost, state.plain_ms(), min(depth - restart, w if restart else len(self.carried)))
+        limit = max(0, min(depth - restart, w if restart else len(self.carried)))
+        if state.unread:  # the plan chosen beside the forward before (`after_launch`), cut to what this step offers
+            sizing = self.policy.take(self._cost(state, own), state.plain_ms(), limit)
+            sizing = sizing if sizing.size <= limit else dataclasses.replace(sizing, size=limit)
+        else:
+            sizing = self.policy.choose(self._cost(state, own), state.plain_ms(), limit)
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
             self.sized = 0
             return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})
@@ -443,6 +441,30 @@ class Fractal(Drafter):
         passes = self._passes_ms(state, 1 + len(tokens) + w) if extras else 0.0
         return Draft(tokens=tokens, extras=extras, cost_ms=paid + passes,
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
+
+    def _cost(self, state: DecodeState, own: float) -> Callable[[int], float]:
+        """What a step drafting n slot tokens costs (`draft`'s pricing), `own` a restart's draft forward."""
+        w = self.plan.window
+        extra = max(0.0, own - state.forward_ms(1))
+        slots = w if self.params.carry else 0  # the verify forward carries the next draft's slots
+        steady = 0.0 if self.params.carry else extra
+        whole = functools.cache(self.policy.whole)  # read when first priced (a plan chosen ahead prices nothing)
+
+        def cost(n: int) -> float:
+            breaks = 1.0 - whole()[n] if self.params.carry else 0.0
+            passes = self._passes_ms(state, 1 + n + slots) if slots else 0.0
+            return state.step_ms(steady + breaks * extra + passes, 1 + n + slots)
+
+        return cost
+
+    def after_launch(self, state: DecodeState) -> None:
+        """On the device's path (`DecodeState.unread`) the next step's plan is chosen here, beside this step's
+        forward (`DraftPolicy.plan_ahead`, as the layer-skip methods do), up to the window and the budget left after
+        this step's token; the next draft cuts it to what it can offer (a carried chain may be shorter)."""
+        if state.unread:
+            w = self.plan.window
+            own = state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
+            self.policy.plan_ahead(self._cost(state, own), state.plain_ms(), max(0, min(state.max_depth - 1, w)))
 
     def pieces(self) -> list[fastpath.Piece]:
         """The target's stretches between hooks (`Splice.layers`), and at each fractal layer i the upper pass

@@ -363,19 +363,19 @@ def side_by_side(method: EventSource, baseline: EventSource) -> PairSource:
     run's clock counts its own generator's time only (`decode.generate` leaves out the time it is away), so neither
     run's time holds the other's."""
     def source(should_stop: Callable[[], bool]) -> Iterator[tuple[str, Event]]:
-        live = {METHOD: method(should_stop), BASELINE: baseline(should_stop)}
-        made = dict.fromkeys(live, 0)  # tokens emitted so far
+        going = {METHOD: method(should_stop), BASELINE: baseline(should_stop)}
+        made = dict.fromkeys(going, 0)  # tokens emitted so far
         try:
-            while live:
-                pane = min(live, key=lambda p: (made[p], p != METHOD))
-                event = next(live[pane], None)
+            while going:
+                pane = min(going, key=lambda p: (made[p], p != METHOD))
+                event = next(going[pane], None)
                 if event is None:
-                    del live[pane]
+                    del going[pane]
                     continue
                 made[pane] += 1 if isinstance(event, Prefill) else len(event.emitted) if isinstance(event, Step) else 0
                 yield pane, event
         finally:
-            for run in live.values():
+            for run in going.values():
                 run.close()
     return source
 
