@@ -70,3 +70,22 @@ def test_the_app_calibrates_at_start_on_the_device_thread(tmp_path, monkeypatch)
     profile = costs.profile_for(lm, fastpath.resolve("auto", lm.runner))
     assert profile.calibration.learnt and profile.curve()["uncalibrated"] is False
     assert costs._read(Path(profile.path), profile.key).calibration.verify == profile.calibration.verify
+
+
+def test_on_the_fast_path_the_start_calibration_makes_the_programs_a_presets_first_run_replays(tmp_path,
+                                                                                                monkeypatch):
+    """Where runs take the fast path (a GPU's default; here forced on the CPU, where the programs are the same, only
+    not captured), the start's calibration makes the cache at the presets' room and every program their methods use,
+    so that a visitor's first run of a preset makes (on a GPU: captures) none. (Its count in the terminal line once
+    failed on a GPU: the program table had no length.)"""
+    monkeypatch.setenv("SPECGUI_CACHE", str(tmp_path))
+    lm = tiny_model(seed=4)
+    resolve = fastpath.resolve
+    monkeypatch.setattr(fastpath, "resolve", lambda mode, runner: resolve("on" if mode == "auto" else mode, runner))
+    ids = list(range(3, 40))
+    presets = [(ids, "pld", {}), (ids, "lookahead", {})]
+    assert runs.calibrate(lm, presets, room=len(ids) + 64) == 4
+    made = len(lm.runner.static_cache.programs)
+    for prompt, method, params in presets:
+        decode.run(lm, prompt, method, max_new_tokens=64, params=params)
+    assert made > 0 and len(lm.runner.static_cache.programs) == made

@@ -64,6 +64,10 @@ class Programs:
         if self.graphs:
             self.base_bytes = torch.cuda.memory_allocated(runner.device)
 
+    def __len__(self) -> int:
+        """The programs held (what a start's calibration reports it made)."""
+        return len(self.by_key)
+
     def get(self, name: tuple[Any, ...], make: Callable[[], Program]) -> Program:
         """The program of key `name`, made by `make()` on first use."""
         if name not in self.by_key:
