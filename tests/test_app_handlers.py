@@ -425,7 +425,8 @@ def test_stop_ends_the_run_frees_the_slot_and_the_next_run_completes(app, tiny_l
     assert final[app.status].startswith('<div class="sg-status sg-status-info">stopped')
     stopped = final[app.views]["method"].summary
     assert stopped.stop == "cancelled" and stopped.new_tokens < 1000
-    assert final[app.views]["baseline"].start is None  # no baseline after a stop
+    baseline = final[app.views]["baseline"].summary  # side by side (the eager path): it ran beside, and stopped too
+    assert baseline is not None and baseline.stop == "cancelled" and baseline.new_tokens < 1000
     assert app.store.busy.acquire(blocking=False)  # the slot is free
     app.store.busy.release()
     assert_still_serves(app)
