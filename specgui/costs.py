@@ -321,13 +321,17 @@ class Calibration:
         self.work: dict[str, tuple[float, float]] = {}  # method -> the same
         self.host: dict[str, tuple[float, float]] = {}  # method -> (decayed sum of ms, decayed weight)
         # verify ratios read since the last step was learnt: a step's sizing prices every size, Self-Draft's every
-        # branch count of every size, each through `verify_ratio`
+        # branch count of every size, each through `verify_ratio`; and the learnt ratios by rows, sorted once a step
+        # for all of them (sorted for each, they were most of a wide draft's pricing)
         self._read: dict[int, float] = {}
+        self._points: list[tuple[int, float]] | None = None
 
     def verify_ratio(self, rows: int) -> float:
         """Measured over priced for a verify of `rows` tokens."""
         if rows not in self._read:
-            others = sorted((r, s / w) for r, (s, w) in self.verify.items() if r != rows and w > 0)
+            if self._points is None:
+                self._points = sorted((r, s / w) for r, (s, w) in self.verify.items() if w > 0)
+            others = [point for point in self._points if point[0] != rows]
             s, w = self.verify.get(rows, (0.0, 0.0))
             self._read[rows] = math.exp((s + CALIBRATION_PRIOR * _level(others, rows)) / (w + CALIBRATION_PRIOR))
         return self._read[rows]
@@ -405,6 +409,7 @@ class Calibration:
         s, w = table.get(key, (0.0, 0.0))
         table[key] = (CALIBRATION_DECAY * s + sample, CALIBRATION_DECAY * w + 1.0)
         self._read.clear()
+        self._points = None
 
     def _learn_host(self, method: str, extra_ms: float, verify_ms: float) -> None:
         """Fold in a drafting step's host work beyond its priced work, at most `verify_ms` (its verify's price) either
