@@ -53,7 +53,6 @@ whose starting token the first fractal layer guessed too, on the eager CPU path)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -417,13 +416,9 @@ class Fractal(Drafter):
         # it stands in for a plain step, so it is charged what it costs beyond one. Charged whole, a chain of
         # drafts accepted 98-100% of the time was paused on this CPU from the prior on (held-out, 0.99x).
         # (All of it but the verify is the method's own work, priced by the profile: `step_ms` corrects it.)
-        own = state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
+        own = self._own_ms(state)
         limit = max(0, min(depth - restart, w if restart else len(self.carried)))
-        if state.unread:  # the plan chosen beside the forward before (`after_launch`), cut to what this step offers
-            sizing = self.policy.take(self._cost(state, own), state.plain_ms(), limit)
-            sizing = sizing if sizing.size <= limit else dataclasses.replace(sizing, size=limit)
-        else:
-            sizing = self.policy.choose(self._cost(state, own), state.plain_ms(), limit)
+        sizing = self.policy.sized(state.unread, self._cost(state, own), state.plain_ms(), limit)  # (`after_launch`)
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
             self.sized = 0
             return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})
@@ -441,6 +436,11 @@ class Fractal(Drafter):
         passes = self._passes_ms(state, 1 + len(tokens) + w) if extras else 0.0
         return Draft(tokens=tokens, extras=extras, cost_ms=paid + passes,
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
+
+    def _own_ms(self, state: DecodeState) -> float:
+        """A restart's own draft forward: the target's over [pending, slots] and its compressed passes."""
+        w = self.plan.window
+        return state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
 
     def _cost(self, state: DecodeState, own: float) -> Callable[[int], float]:
         """What a step drafting n slot tokens costs (`draft`'s pricing), `own` a restart's draft forward."""
@@ -462,9 +462,8 @@ class Fractal(Drafter):
         forward (`DraftPolicy.plan_ahead`, as the layer-skip methods do), up to the window and the budget left after
         this step's token; the next draft cuts it to what it can offer (a carried chain may be shorter)."""
         if state.unread:
-            w = self.plan.window
-            own = state.forward_ms(1 + w) + self._passes_ms(state, 1 + w)
-            self.policy.plan_ahead(self._cost(state, own), state.plain_ms(), max(0, min(state.max_depth - 1, w)))
+            self.policy.plan_ahead(self._cost(state, self._own_ms(state)), state.plain_ms(),
+                                   max(0, min(state.max_depth - 1, self.plan.window)))
 
     def pieces(self) -> list[fastpath.Piece]:
         """The target's stretches between hooks (`Splice.layers`), and at each fractal layer i the upper pass

@@ -24,7 +24,6 @@ not negligible, so a draft may run a token further than it would with the full h
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,11 +259,7 @@ class LayerSkipDrafter(Drafter):
 
     def draft(self, state: DecodeState) -> Draft:
         depth = min(self.params.max_draft, state.max_depth)
-        if state.unread:  # the plan chosen beside the forward before (`after_launch`), cut to the budget left now
-            sizing = self.policy.take(*self._sizing(state, depth))
-            sizing = sizing if sizing.size <= depth else dataclasses.replace(sizing, size=depth)
-        else:
-            sizing = self.policy.choose(*self._sizing(state, depth))
+        sizing = self.policy.sized(state.unread, *self._sizing(state, depth))  # on the device's path chosen ahead
         self.sizing_plan = sizing
         drafting = sizing.size > 0
         prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})

@@ -57,6 +57,7 @@ count cut finer (3 and more), or the matched n-gram's length added, did no bette
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -204,6 +205,14 @@ class DraftPolicy:
             self.plan_ahead(cost, plain_ms, limit)
         self.planned, self.next = self.next, None
         return self.planned[0]
+
+    def sized(self, ahead: bool, cost: Callable[[int], float], plain_ms: float, limit: int) -> Plan:
+        """This step's plan: where plans are chosen ahead (`ahead`, the device's path) the one `plan_ahead` chose,
+        cut to `limit`, what this step can offer now (the budget left, a carried chain); else chosen now."""
+        if not ahead:
+            return self.choose(cost, plain_ms, limit)
+        plan = self.take(cost, plain_ms, limit)
+        return plan if plan.size <= limit else dataclasses.replace(plan, size=limit)
 
     def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
         """`choose`'s plan where the sizes are priced."""
