@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specgui.fastpath.cache import StaticKVCache, StaticView
-from specgui.fastpath.inputs import bucket, fixed_block
+from specgui.fastpath.inputs import BucketInputs, bucket, fixed_block
 from specgui.fastpath.program import Program
 from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
 from specgui.fastpath.readout import HostRows
@@ -41,12 +41,20 @@ class StaticPass(Pass):
         t = self.length = self.host_positions.shape[0]
         self.store = cache.store
         self.writes = isinstance(cache, StaticKVCache)  # a view stores nothing
-        self.prefix, self.offset = cache.bounds(t)
-        self.visible = fixed_block(t, causal=True) if visibility is None else _host(visibility).astype(bool, copy=False)
         self.bucketed = bucket(t) is not None
-        self.inputs = self.store.inputs_for(bucket(t) or t)
+        # where the pass reads and writes, and its inputs: found at its first load (`_load`), which every program but a
+        # chained replay's follows (`chain`, `PlainSteps`: each replay a pass of its own, its inputs moved on by the
+        # replay before, so that a chained token costs the host the call, not a pass's bookkeeping)
+        self.inputs: BucketInputs | None = None
+        self.prefix = self.offset = self.visible = np.zeros(0, dtype=np.int64)
 
     def _load(self, tokens: np.ndarray | None = None) -> None:
+        t = self.length
+        if self.inputs is None:
+            self.prefix, self.offset = self.cache.bounds(t)
+            self.visible = (fixed_block(t, causal=True) if self.visibility is None
+                            else _host(self.visibility).astype(bool, copy=False))
+            self.inputs = self.store.inputs_for(bucket(t) or t)
         self.inputs.load(self, self.host_positions, self.prefix, self.offset, self.visible, tokens)
 
     def call(self, program: Program) -> torch.Tensor:
@@ -130,8 +138,8 @@ class StaticPass(Pass):
 
     def run_unit(self, h: torch.Tensor, layer: int, kind: int, module: nn.Module | None = None) -> torch.Tensor:
         block = module if module is not None else self.runner.layers[layer]
-        inputs = self.inputs
         self._load()
+        inputs = self.inputs
         if self.bucketed:
             program = unit_program(self.store, block, layer, kind, inputs)
             program.input[:, : self.length].copy_(h)

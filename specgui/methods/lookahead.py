@@ -95,7 +95,7 @@ class Lookahead(Drafter):
         self.fed: list[list[int]] | None = None  # the window blocks as fed to the last forward
         self.candidates: list[dict[str, Any]] = []
         self.policy = self.sizing(state, range(1, max(1, p.guesses * (p.ngram - 1)) + 1))
-        self.drafted, self.exhausted = 0, False
+        self.drafted, self.exhausted, self.found = 0, False, 0
         if p.pool_from_prompt:
             self._index_text(state.tokens)
 
@@ -118,13 +118,15 @@ class Lookahead(Drafter):
                     break
         fed = [[state.pending, *self.levels[0]], *self.levels[1:]] if depth > 0 else None
         window = sum(len(level) for level in fed) - 1 if fed else 0
-        sizing = self.policy.choose(lambda n: state.verify_ms(1 + window + n), state.plain_ms(), len(trie.tokens))
+        sizing = self.policy.choose(lambda n: state.verify_ms(1 + window + n), state.plain_ms(), len(trie.tokens),
+                                    shape=window)
         if sizing.mode != "paused" or sizing.prior is not None:  # priced (the pool offered something): it rules
             self.paused = sizing.mode == "paused"                 # the window too
         # the window serves only drafting: where the cost model paused the drafts it stays home too, and the step is a
         # plain one (the levels wait, unchanged, for the next step that drafts or probes)
         self.fed = None if self.paused else fed
         size = sizing.size  # 0 when the pool offered nothing
+        self.found = len(trie.tokens)
         self.drafted, self.exhausted = size, size == len(trie.tokens)  # a larger size would verify the same
         self.candidates = within(candidates, size)
         extras = self._extras(state.committed, size) if self.fed else None
@@ -172,11 +174,15 @@ class Lookahead(Drafter):
         return len(guesses)
 
     def after_launch(self, state: DecodeState) -> None:
-        """The pool learns the output's n-grams beside the next forward: the next draft retrieves without the last
-        verdict's, the one after with them. (The window's columns it learns at once: a step late, they cost its
-        drafts 2.5% of their accepted tokens, held-out prompts, fixed sizes, CPU.)"""
+        """Beside the next forward: the pool learns the output's n-grams (the next draft retrieves without the last
+        verdict's, the one after with them; the window's columns it learns at once: a step late, they cost its
+        drafts 2.5% of their accepted tokens, held-out prompts, fixed sizes, CPU); and the next draft's sizes are
+        priced (`DraftPolicy.price_ahead`), as many as this one's pool offered, at the window's rows, which stay as
+        they are once it is filled."""
         if self.params.pool_from_prompt:
             self._index_text(state.tokens)
+        window = sum(len(level) for level in self.levels)
+        self.policy.price_ahead(window, lambda n: state.verify_ms(1 + window + n), self.found)
 
     def _index_text(self, tokens: list[int]) -> None:
         """The prompt's and output's n-grams (first token -> the N - 1 after it), each indexed once complete."""

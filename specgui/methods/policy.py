@@ -57,6 +57,7 @@ count cut finer (3 and more), or the matched n-gram's length added, did no bette
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -134,6 +135,7 @@ class DraftPolicy:
         self.held = False  # the last plan was a pause served whole (not settled: it was no drafting step)
         self.next: tuple[Plan, bool] | None = None  # chosen ahead (`plan_ahead`): the next step's plan and `held`
         self.planned: tuple[Plan, bool] | None = None  # the step's plan as `take` gave it: what `learn` folds it in as
+        self.prices: tuple[object, dict[int, float]] | None = None  # priced ahead (`price_ahead`): shape, size -> ms
         self.tokens = self.cost = 0.0  # drafting as a whole: decayed tokens, and price in plain steps (`settle`)
         self.settled = 0  # steps settled since the last pause
         self.rest = 1  # length of the next pause `settle` calls (doubling while drafting keeps losing)
@@ -141,18 +143,21 @@ class DraftPolicy:
     def expected(self, n: int) -> float:
         """E[accepted | a draft of size n] in the current regime: the decayed mean of what verdicts showed,
         pulled towards the prior."""
-        return self.curve()[n]
+        return self.curve(n)[n]
 
-    def curve(self) -> dict[int, float]:
+    def curve(self, upto: int | None = None) -> dict[int, float]:
         """E[accepted | n] for every size, in the current regime. A size's prior is the geometric one, capped by
         the straight line through the two sizes below it: each extra draft token is accepted only if all before
         it were, so the curve is concave, and a size that smaller ones already show to be poor is not tried on
         hope. The prior's weight fades as the size's own verdicts weigh more (`PRIOR_FADE`): what they show
-        prices it, not the hope it started from."""
+        prices it, not the hope it started from. With `upto`, the sizes up to it only (a size's value needs only the
+        sizes below): what a step that offers no more prices."""
         sums, weights = self.sums[self.regime], self.weights[self.regime]
         out: dict[int, float] = {}
         last_n, last_e, slope = 0, 0.0, 1.0
         for n in self.sizes:
+            if upto is not None and n > upto:
+                break
             prior = min(_geometric(n, self.alpha), last_e + (n - last_n) * slope)
             hope = PRIOR_WEIGHT * PRIOR_FADE ** weights[n]
             e = (sums[n] + hope * prior) / (weights[n] + hope)
@@ -169,9 +174,12 @@ class DraftPolicy:
             last_n, last_e = n, curve[n]
         return out
 
-    def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
+    def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None,
+               shape: object = None) -> Plan:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
-        most the drafter can offer now (a lookup's length, the tokens left in the budget)."""
+        most the drafter can offer now (a lookup's length, the tokens left in the budget); `shape`, the draft's
+        besides its size, where the sizes were priced ahead for it (`price_ahead`)."""
+        cost = self._ahead(cost, shape)
         sizes = [n for n in self.sizes if limit is None or n <= limit]
         self.held = self.whole_pauses and self.left > 0 and self.pausing is not None  # served whole, offer or none
         if self.held:
@@ -189,6 +197,22 @@ class DraftPolicy:
                 self.early = self._priced(cost, plain_ms, sizes)
             return self.standing
         return self._priced(cost, plain_ms, sizes)
+
+    def price_ahead(self, shape: object, cost: Callable[[int], float], limit: int) -> None:
+        """Price the sizes up to `limit` now for the next `choose` of a draft of the same `shape` (what a step's price
+        depends on besides its size: a window's rows, the branch tokens beside the candidates): beside this step's
+        forward, where the device would otherwise wait for the pricing between the verdict's read and the next
+        launch. The curve still decides then, after this step's verdict is learnt: the choice is `choose`'s, at prices
+        of this step's context. A size the draft then offers beyond `limit`, or another shape, is priced at `choose`."""
+        self.prices = shape, {n: cost(n) for n in self.sizes if n <= limit}
+
+    def _ahead(self, cost: Callable[[int], float], shape: object) -> Callable[[int], float]:
+        """`cost`, where the sizes were priced ahead for `shape`, read from those prices (used once: a step's)."""
+        ahead, self.prices = self.prices, None
+        if ahead is None or shape is None or ahead[0] != shape:
+            return cost
+        prices = ahead[1]
+        return lambda n: prices[n] if n in prices else cost(n)
 
     def plan_ahead(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> None:
         """Choose the next step's plan now (`choose`), before this step's verdict is learnt: beside this step's
@@ -217,7 +241,7 @@ class DraftPolicy:
     def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
         """`choose`'s plan where the sizes are priced."""
         plan = functools.partial(Plan, regime=self.regime)  # every plan names the curve that priced it
-        curve, costs = self.curve(), {n: cost(n) for n in sizes}
+        curve, costs = self.curve(sizes[-1]), {n: cost(n) for n in sizes}
         gains = {n: (1 + curve[n]) * plain_ms / costs[n] for n in sizes}
         if self.fixed:
             return plan(sizes[-1], "fixed", gains[sizes[-1]], max(gains.values()), curve[sizes[-1]])
@@ -295,19 +319,12 @@ class DraftPolicy:
             sums[n] *= DECAY
             weights[n] *= DECAY
             if n <= verified or exhausted:
-                sums[n] += sum(1 for _ in _prefix_below(path, n))
+                sums[n] += bisect.bisect_left(path, n)  # the path's nodes below n: a parent precedes its child
                 weights[n] += 1.0
         self.regime = min(len(path), len(self.sums) - 1)
 
 
 def _geometric(n: int, alpha: float) -> float:
-    """The prior's E[accepted | n]: each token accepted with probability `alpha`, if all before it were."""
-    return sum(alpha ** (i + 1) for i in range(n))
-
-
-def _prefix_below(path: Sequence[int], n: int):
-    """The leading nodes of `path` with an index below n (what a verify of the first n nodes accepts)."""
-    for node in path:
-        if node >= n:
-            return
-        yield node
+    """The prior's E[accepted | n]: each token accepted with probability `alpha`, if all before it were (the sum of
+    alpha ** i for i = 1..n, in closed form: a policy prices every size a step)."""
+    return n if alpha == 1 else alpha * (1 - alpha ** n) / (1 - alpha)

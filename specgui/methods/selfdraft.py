@@ -63,6 +63,18 @@ def branch_block(lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclass(frozen=True)
+class _Rooms:
+    """`SelfDraft._room`'s answer: the branch tokens that may ride beside n candidate nodes, for branches of `total`
+    tokens in all (for which it holds)."""
+
+    total: int
+    room: Callable[[int], int]
+
+    def __call__(self, nodes: int) -> int:
+        return self.room(nodes)
+
+
+@dataclass(frozen=True)
 class SelfDraftParams(SizedParams):
     branches: int = param(low=0, high=16, help="draft branches N (0: none)")
     branch_len: int = param(low=1, high=16, help="longest draft branch L: the oldest token drops past it")
@@ -106,7 +118,8 @@ class SelfDraft(Drafter):
         self.turn = 0  # the branch first in line for the next forward
         self.candidates: list[dict[str, Any]] = []
         self.policy = self.sizing(state, range(1, p.budget + 1))
-        self.verified, self.exhausted = 0, False
+        self.verified, self.exhausted, self.found = 0, False, 0
+        self.rooms: _Rooms | None = None  # the next draft's, made ahead (`after_launch`)
 
     def _retrieve_ms(self) -> float:
         """One retrieval into a full trie from a context cache indexed over 1024 tokens (for the cost model; in
@@ -121,10 +134,12 @@ class SelfDraft(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         depth = state.max_depth
         trie, candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
-        found = len(trie.tokens)
-        room = self._room(state)
+        found = self.found = len(trie.tokens)
+        total = sum(len(b) for b in self.branches)
+        room = self.rooms if self.rooms is not None and self.rooms.total == total else self._room(state)
+        self.rooms = None
         sizing = self.policy.choose(lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n)),
-                                    state.plain_ms(), found) if found else None
+                                    state.plain_ms(), found, shape=total) if found else None
         n = sizing.size if sizing else 0
         self.verified, self.exhausted = n, n == found
         self.candidates = within(candidates, n)
@@ -137,7 +152,7 @@ class SelfDraft(Drafter):
         return Draft(tokens=trie.tokens[:n], parents=trie.parents[:n], extras=extras, info=info,
                      cost_ms=self.retrieve_ms)
 
-    def _room(self, state: DecodeState) -> Callable[[int], int]:
+    def _room(self, state: DecodeState) -> _Rooms:
         """This step's branch tokens that may ride beside n candidate nodes, as a function of n: all of them under
         the fixed policy, else the most the profile prices as free (within `FREE` of the forward without them);
         `max_forward` caps.
@@ -149,7 +164,6 @@ class SelfDraft(Drafter):
         total = sum(len(b) for b in self.branches)
         verify_ms = functools.cache(state.verify_ms)  # prices hold for the step: the profile learns after it
 
-        @functools.cache
         def room(nodes: int) -> int:
             free = total
             if self.params.policy != "fixed":
@@ -160,7 +174,7 @@ class SelfDraft(Drafter):
                 free = min(free, max(0, self.params.max_forward - 1 - nodes))
             return free
 
-        return room
+        return _Rooms(total, functools.cache(room))
 
     def _choose_branches(self, room: int) -> dict[int, list[int]]:
         """The branches that fit in `room` tokens, taking turns so that every branch keeps advancing."""
@@ -235,8 +249,12 @@ class SelfDraft(Drafter):
             del branch[: max(0, len(branch) - self.params.branch_len)]
 
     def after_launch(self, state: DecodeState) -> None:
-        """The context cache learns the last verdict's n-grams (the branches' and the text's) beside the next forward:
-        the next draft retrieves without them, the one after with them."""
+        """Beside the next forward: the context cache learns the last verdict's n-grams (the branches' and the text's:
+        the next draft retrieves without them, the one after with them); and the next draft's sizes are priced
+        (`DraftPolicy.price_ahead`), as many as this one's retrieval found, with the branch tokens that may ride
+        beside each (`_room`), which stay as they are once the branches are grown."""
+        self.rooms = room = self._room(state)
+        self.policy.price_ahead(room.total, lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n)), self.found)
         for gram in self.harvest:
             self.context.add_gram(gram)
         self.harvest = []
