@@ -156,7 +156,11 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         """Cut every layer to at most `length` positions (an absolute length, unlike `DynamicCache.crop`)."""
-        self.lengths = [min(n, length) for n in self.lengths]
+        lengths = self.lengths
+        if min(lengths, default=length) >= length:  # every step crops after its read, where a GPU waits: one list
+            self.lengths = [length] * len(lengths)
+        else:
+            self.lengths = [min(n, length) for n in lengths]
 
     def keep(self, start: int, offsets: list[int]) -> None:
         """Keep positions `[0, start)` plus `start + o` for each offset, compacted in that order.

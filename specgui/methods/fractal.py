@@ -304,6 +304,15 @@ class SpliceProgram:
         return torch.cat([h[:, :exact], y.to(h.dtype), h[:, exact + w :]], dim=1)
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """A draft's prices made ahead (`Fractal.after_launch`): a restart's own draft forward, and the compressed passes
+    of a verify forward of each number of rows the draft may send (`_passes_ms`)."""
+
+    own: float
+    passes: dict[int, float]
+
+
 def per_token_acceptance(accepted: float, drafted: int) -> float:
     """The per-token acceptance p with which a chain of `drafted` tokens has `accepted` of them accepted on average
     (p + p^2 + ... + p^drafted, each token accepted only if all before it were)."""
@@ -395,6 +404,7 @@ class Fractal(Drafter):
         self.splices: list[Splice] = []  # forwards of the current step that ran fractal layers
         self.carrying: Splice | None = None
         self.sized, self.drafted, self.exhausted, self.exact_first = 0, 0, False, False
+        self.priced: _Priced | None = None  # the next draft's prices, made beside the forward before (`after_launch`)
         # sizes count slot tokens: a restart's draft adds the exact token its own forward read off in front
         self.policy = self.sizing(state, range(1, self.plan.window + 1))
         self.vocab = DraftVocab.of(self.runner, self.params.draft_vocab, state.tokens)
@@ -416,7 +426,8 @@ class Fractal(Drafter):
         # it stands in for a plain step, so it is charged what it costs beyond one. Charged whole, a chain of
         # drafts accepted 98-100% of the time was paused on this CPU from the prior on (held-out, 0.99x).
         # (All of it but the verify is the method's own work, priced by the profile: `step_ms` corrects it.)
-        own = self._own_ms(state)
+        priced, self.priced = self.priced, None  # beside the forward before, where it ran (`after_launch`)
+        own = priced.own if priced is not None else self._own_ms(state)
         limit = max(0, min(depth - restart, w if restart else len(self.carried)))
         sizing = self.policy.sized(state.unread, self._cost(state, own), state.plain_ms(), limit)  # (`after_launch`)
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
@@ -433,7 +444,9 @@ class Fractal(Drafter):
         self.exhausted = len(tokens) < keep
         # after this step emits the draft and its own token, the next one can draft only if depth is left
         extras = self._slots(state, tokens) if self.params.carry and depth > len(tokens) + 1 else None
-        passes = self._passes_ms(state, 1 + len(tokens) + w) if extras else 0.0
+        rows = 1 + len(tokens) + w
+        passes = (0.0 if not extras else priced.passes[rows] if priced is not None and rows in priced.passes
+                  else self._passes_ms(state, rows))
         return Draft(tokens=tokens, extras=extras, cost_ms=paid + passes,
                      info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
 
@@ -460,10 +473,15 @@ class Fractal(Drafter):
     def after_launch(self, state: DecodeState) -> None:
         """On the device's path (`DecodeState.unread`) the next step's plan is chosen here, beside this step's
         forward (`DraftPolicy.plan_ahead`, as the layer-skip methods do), up to the window and the budget left after
-        this step's token; the next draft cuts it to what it can offer (a carried chain may be shorter)."""
+        this step's token; the next draft cuts it to what it can offer (a carried chain may be shorter). So are a
+        restart's draft forward and the compressed passes of every verify the next draft may send priced here, at this
+        step's context (`_Priced`), not between the verdict's read and the next launch."""
         if state.unread:
-            self.policy.plan_ahead(self._cost(state, self._own_ms(state)), state.plain_ms(),
-                                   max(0, min(state.max_depth - 1, self.plan.window)))
+            w = self.plan.window
+            self.priced = _Priced(self._own_ms(state), {rows: self._passes_ms(state, rows)
+                                                        for rows in range(1 + w, 3 + 2 * w)})
+            self.policy.plan_ahead(self._cost(state, self.priced.own), state.plain_ms(),
+                                   max(0, min(state.max_depth - 1, w)))
 
     def pieces(self) -> list[fastpath.Piece]:
         """The target's stretches between hooks (`Splice.layers`), and at each fractal layer i the upper pass
