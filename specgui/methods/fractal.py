@@ -429,7 +429,8 @@ class Fractal(Drafter):
         priced, self.priced = self.priced, None  # beside the forward before, where it ran (`after_launch`)
         own = priced.own if priced is not None else self._own_ms(state)
         limit = max(0, min(depth - restart, w if restart else len(self.carried)))
-        sizing = self.policy.sized(state.unread, self._cost(state, own), state.plain_ms(), limit)  # (`after_launch`)
+        # (on the device's path the plan was chosen ahead, `after_launch`: priced only where chosen now)
+        sizing = self.policy.sized(state.unread, lambda: (self._cost(state, own), state.plain_ms()), limit)
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
             self.sized = 0
             return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})

@@ -24,6 +24,7 @@ not negligible, so a draft may run a token further than it would with the full h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,6 +227,7 @@ class LayerSkipDrafter(Drafter):
         self.sizing_plan: Plan | None = None  # the policy's plan of the latest step
         self.chain: Chain | None = None
         self.unread: Draft | None = None  # the latest draft, where it was drafted unread (`DecodeState.unread`)
+        self.priced: tuple[SkipPlan, float] | None = None  # a draft token's price, made ahead (`after_launch`)
         self.vocab = DraftVocab.of(state.runner, self.params.draft_vocab, state.tokens)
         self.missed = 0  # rejections whose target token lay outside the draft vocabulary
         return None
@@ -250,16 +252,17 @@ class LayerSkipDrafter(Drafter):
         payload. CLaSp searches its skip set here when one is due; nothing by default."""
         return 0.0, {}
 
-    def _sizing(self, state: DecodeState, depth: int) -> tuple[Callable[[int], float], float, int]:
-        """The policy's arguments for a draft of at most `depth` tokens: what a step drafting k costs, and plain
-        decoding's step."""
-        token_ms, overhead_ms = self.token_ms(state), self.overhead_ms()
-        return ((lambda k: state.step_ms(k * token_ms + overhead_ms, 1 + self.rows(k))), state.plain_ms(),
-                max(0, min(self.params.max_draft, depth)))
+    def _pricing(self, state: DecodeState, token_ms: float | None = None) -> tuple[Callable[[int], float], float]:
+        """The policy's prices (`policy.Pricing`): what a step drafting k costs (a draft token at `token_ms`, where
+        priced already), and plain decoding's step."""
+        token_ms = self.token_ms(state) if token_ms is None else token_ms
+        overhead_ms = self.overhead_ms()
+        return (lambda k: state.step_ms(k * token_ms + overhead_ms, 1 + self.rows(k))), state.plain_ms()
 
     def draft(self, state: DecodeState) -> Draft:
         depth = min(self.params.max_draft, state.max_depth)
-        sizing = self.policy.sized(state.unread, *self._sizing(state, depth))  # on the device's path chosen ahead
+        # (on the device's path the plan was chosen ahead, `after_launch`: priced only where chosen now)
+        sizing = self.policy.sized(state.unread, functools.partial(self._pricing, state), max(0, depth))
         self.sizing_plan = sizing
         drafting = sizing.size > 0
         prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})
@@ -269,7 +272,9 @@ class LayerSkipDrafter(Drafter):
         if drafting and state.unread:  # the tokens are read with the verdict; `observe` completes the payload
             draft = self.unread_proposal(draft_unread(state, self.plan, sizing.size, self.exit.value,
                                                       self.alternatives, self.vocab))
-            draft.observer, draft.info, draft.cost_ms = self.observer(), info, sizing.size * self.token_ms(state)
+            priced, self.priced = self.priced, None  # a draft token's price, made beside the forward before
+            token_ms = priced[1] if priced is not None and priced[0] is self.plan else self.token_ms(state)
+            draft.observer, draft.info, draft.cost_ms = self.observer(), info, sizing.size * token_ms
             draft.cost_ms += prepared_ms
             self.unread = draft
             return draft
@@ -286,9 +291,11 @@ class LayerSkipDrafter(Drafter):
         """On the device's path (`DecodeState.unread`) the next step's plan is chosen here, beside this step's
         forward, not between this step's read and the next draft's launch, where the device would wait for the
         pricing of every size (`DraftPolicy.plan_ahead`; this step emits a token at least: the next has that much less
-        room)."""
+        room); and the price of a draft token, for the draft's cost, while the plan skips what it skips now."""
         if state.unread:
-            self.policy.plan_ahead(*self._sizing(state, state.max_depth - 1))
+            self.priced = self.plan, self.token_ms(state)
+            self.policy.plan_ahead(*self._pricing(state, self.priced[1]),
+                                   max(0, min(self.params.max_draft, state.max_depth - 1)))
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The fixed-shape draft an `UnreadChain` verifies as (`proposal`'s counterpart): the chain itself here."""

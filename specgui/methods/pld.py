@@ -23,6 +23,7 @@ under the same prices (pipelined, the cost model learns a step later: `decode.ge
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,16 +111,18 @@ class PromptLookup(Drafter):
         return Draft(tokens=tokens, cost_ms=0.0 if held else self.lookup_ms,
                      info={"ngram": n, "plan": plan.to_dict()})
 
-    def _sizing(self, state: DecodeState, room: int) -> tuple[Callable[[int], float], float, int]:
-        """`DraftPolicy.take`'s and `plan_ahead`'s arguments for a lookup the device makes, sized before the lookup is
-        known, up to `room` tokens of the budget."""
-        return (lambda k: state.step_ms(self.lookup_ms, 1 + k)), state.plain_ms(), min(self.params.num_draft,
-                                                                                         max(0, room))
+    def _pricing(self, state: DecodeState) -> tuple[Callable[[int], float], float]:
+        """The prices of a lookup the device makes, sized before the lookup is known (`DraftPolicy.take`)."""
+        return (lambda k: state.step_ms(self.lookup_ms, 1 + k)), state.plain_ms()
+
+    def _room(self, room: int) -> int:
+        """The most a lookup drafts with `room` tokens of the budget left."""
+        return min(self.params.num_draft, max(0, room))
 
     def _device_draft(self, state: DecodeState) -> Draft:
         """The step's draft as the device makes it (`Lookup`), looked up here too for the step's event: the plan's
         size of the continuation found, which may be shorter (`exhausted`) or nothing."""
-        plan = self.policy.take(*self._sizing(state, state.max_depth))
+        plan = self.policy.take(functools.partial(self._pricing, state), self._room(state.max_depth))
         found, n = self.index.lookup(state.tokens, plan.size) if plan.size else ([], 0)
         self.drafted, self.exhausted = len(found), len(found) < plan.size
         return Draft(tokens=found, cost_ms=self.lookup_ms if plan.size else 0.0,
@@ -127,7 +130,7 @@ class PromptLookup(Drafter):
 
     def after_launch(self, state: DecodeState) -> None:
         if self.on_device:  # (this step emits at least one token: the next has that much less room)
-            self.policy.plan_ahead(*self._sizing(state, state.max_depth - 1))
+            self.policy.plan_ahead(*self._pricing(state), self._room(state.max_depth - 1))
 
     def ahead(self, state: DecodeState) -> Draft | None:
         if self.on_device:

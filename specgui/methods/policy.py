@@ -76,6 +76,7 @@ EVIDENCE = 4  # steps drafting as a whole is judged on (`settle`) before it may 
 
 
 POLICIES = ("cost", "fixed")
+Pricing = Callable[[], tuple[Callable[[int], float], float]]  # a step's prices, when needed: (cost of size n, plain_ms)
 
 
 @dataclass(frozen=True)
@@ -221,21 +222,23 @@ class DraftPolicy:
         the cost model learnt up to it; `limit` is what the drafter can offer whatever this step emits."""
         self.next = self.choose(cost, plain_ms, limit), self.held
 
-    def take(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None) -> Plan:
-        """This step's plan: the one chosen ahead (`plan_ahead`), else chosen now. `learn` then folds the step's
-        verdict into the curve that plan was priced by and settles it as what it was (the next plan may be chosen
-        before the verdict is learnt, leaving `regime` and `held` describing that one)."""
+    def take(self, pricing: Pricing, limit: int | None = None) -> Plan:
+        """This step's plan: the one chosen ahead (`plan_ahead`), else chosen now, priced by `pricing()` (the step's
+        `cost` and `plain_ms`: priced only then, since a plan chosen ahead needs no price). `learn` then folds the
+        step's verdict into the curve that plan was priced by and settles it as what it was (the next plan may be
+        chosen before the verdict is learnt, leaving `regime` and `held` describing that one)."""
         if self.next is None:
-            self.plan_ahead(cost, plain_ms, limit)
+            self.plan_ahead(*pricing(), limit)
         self.planned, self.next = self.next, None
         return self.planned[0]
 
-    def sized(self, ahead: bool, cost: Callable[[int], float], plain_ms: float, limit: int) -> Plan:
+    def sized(self, ahead: bool, pricing: Pricing, limit: int) -> Plan:
         """This step's plan: where plans are chosen ahead (`ahead`, the device's path) the one `plan_ahead` chose,
-        cut to `limit`, what this step can offer now (the budget left, a carried chain); else chosen now."""
+        cut to `limit`, what this step can offer now (the budget left, a carried chain); else chosen now (`take`'s
+        `pricing`)."""
         if not ahead:
-            return self.choose(cost, plain_ms, limit)
-        plan = self.take(cost, plain_ms, limit)
+            return self.choose(*pricing(), limit)
+        plan = self.take(pricing, limit)
         return plan if plan.size <= limit else dataclasses.replace(plan, size=limit)
 
     def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
