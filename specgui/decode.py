@@ -41,6 +41,7 @@ steps, a tenth of its time, uncounted.)
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -91,11 +92,13 @@ class _Clock:
     """Time spent inside the generator, phase by phase.
 
     `resume()` starts a step's first phase, `mark()` ends a phase on the device's clock, `read()` returns the ms of
-    the phases marked since. On a GPU the marks are CUDA events: nothing stalls between drafting and the verify
-    forward, and a step's phases are read after its one read of the device (`verify`'s), which its last mark
-    precedes on the device's stream (`read(synced=True)` then waits for nothing). Host-only work (a drafter's
-    `observe`, the cost model's `learn`) is timed on the host (`host`). Nothing else counts: building events and
-    handing them out (presentation, and the consumer's time), nor accepting and cropping after the verdict's read.
+    the phases marked since (a step's: `take()` its marks after its verdict's read, `spans()` them with its event,
+    behind the next launch, where the host's work does not delay a GPU). On a GPU the marks are CUDA events: nothing
+    stalls between drafting and the verify forward, and a step's phases are read after its one read of the device
+    (`verify`'s), which its last mark precedes on the device's stream (reading them then waits for nothing).
+    Host-only work (a drafter's `observe`, the cost model's `learn`) is timed on the host (`host`). Nothing else
+    counts: building events and handing them out (presentation, and the consumer's time), nor accepting and cropping
+    after the verdict's read.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -114,8 +117,17 @@ class _Clock:
     def read(self, synced: bool = False) -> list[float]:
         if self.device.cuda and not synced:
             self.marks[-1].synchronize()
-        ms = [self._ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
-        self.marks = self.marks[-1:]
+        return self.spans(self.take())
+
+    def take(self) -> list[Any]:
+        """The phases' marks so far, to be read later (`spans`); counting goes on from the last."""
+        marks, self.marks = self.marks, self.marks[-1:]
+        return marks
+
+    def spans(self, marks: list[Any]) -> list[float]:
+        """The ms of the phases between `marks` (`take`n, the last of them reached on the device), counted in the
+        total. Read in the order they were taken: the stretches the generator was away are let go as read past."""
+        ms = [self._ms(a, b) for a, b in itertools.pairwise(marks)]
         self.total += sum(ms) / 1000
         return ms
 
@@ -139,12 +151,10 @@ class _Clock:
         if not self.device.cuda:
             self.gaps.append((started, time.perf_counter()))
 
-    def since(self, start: Any, end: Any) -> float:
-        """A chained step's ms: from the mark behind the forward before it to the mark behind its own, counted in the
-        total."""
-        ms = self._ms(start, end)
-        self.total += ms / 1000
-        return ms
+    def since(self, start: Any, end: Any) -> list[float]:
+        """A chained step's phases (no draft, and the span from the mark behind the forward before it to the mark
+        behind its own), counted in the total."""
+        return [0.0, *self.spans([start, end])]
 
     def _ms(self, start: Any, end: Any) -> float:
         """The ms between two marks: on a GPU the device's, whatever the host did meanwhile; elsewhere, where the
@@ -186,8 +196,7 @@ class _Decoded:
     verdict: Verdict
     emitted: list[int]
     rows: int  # the verify forward's
-    draft_ms: float
-    verify_ms: float
+    timed: Callable[[], list[float]]  # the step's draft and verify ms, read when its event is built (`_Clock.spans`)
     observe_ms: float
     payload: dict[str, Any]
     predicted_ms: float
@@ -272,7 +281,7 @@ def generate(
         [prefill_ms] = clock.read(synced=True)
         started = time.perf_counter()
         payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_tokens=None,
-                                                 prefill=True, verify_ms=prefill_ms))
+                                                 prefill=True))
         overhead_ms = clock.host(started)  # the clock stops: building events (detokenizing) is presentation
         prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=verdict.margins[0],
                           ms=prefill_ms, overhead_ms=overhead_ms, payload=payload)
@@ -287,7 +296,7 @@ def generate(
             timed; the generator is away from here until the consumer hands back)."""
             started = time.perf_counter()
             draft, verdict, emitted = decoded.draft, decoded.verdict, decoded.emitted
-            draft_ms, verify_ms = decoded.draft_ms, decoded.verify_ms
+            draft_ms, verify_ms = decoded.timed()
             profile.learn(method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, decoded.priced_verify_ms,
                           draft_ms=draft_ms, chained=decoded.ahead)
             overhead_ms = decoded.observe_ms + clock.host(started, counted)
@@ -379,20 +388,21 @@ def generate(
             elif not launched.chained:
                 state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
             state.tokens.extend(emitted)
-            if launched.ahead:  # its time is the device's since the forward before it ended
-                draft_ms, verify_ms = 0.0, clock.since(last_end, launched.end)
-            else:
-                draft_ms, verify_ms = clock.read(synced=True)  # marked before the verdict's read: nothing waits here
+            #    (its phases' times are read with its event, behind the next launch: the marks are taken now; marked
+            #    before the verdict's read, they wait for nothing. A step launched ahead: the device's time since the
+            #    forward before it ended)
+            timed = (functools.partial(clock.since, last_end, launched.end) if launched.ahead
+                     else functools.partial(clock.spans, clock.take()))
             last_end = launched.end
             # 7. observe: the method learns from the verdict, before it drafts again
             started = time.perf_counter()
+            priced = predicted_ms / plain_ms if plain_ms > 0 else 0.0
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
-                              extra_tokens=verdict.extra_tokens, draft_ms=draft_ms, verify_ms=verify_ms,
-                              priced=predicted_ms / plain_ms if plain_ms > 0 else 0.0)
+                              extra_tokens=verdict.extra_tokens, priced=priced)
             payload = {**draft.info, **drafter.observe(state, outcome)}
             observe_ms = clock.host(started, counted=not pipeline or stop is not None)  # else in the next step's span
             state.step += 1
-            done = _Decoded(state.step, context, draft, verdict, emitted, rows, draft_ms, verify_ms, observe_ms,
+            done = _Decoded(state.step, context, draft, verdict, emitted, rows, timed, observe_ms,
                             payload, predicted_ms, plain_ms, priced_verify_ms, chained_plain)
 
         generated = tuple(state.tokens[state.prompt_len :])

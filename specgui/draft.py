@@ -195,9 +195,9 @@ class Outcome:
     """What the verifier decided, as the drafter sees it in `observe`.
 
     `observe` is also called once after the prompt forward (`prefill` true: no draft, `path` empty, `token`
-    the first new token, `verify_ms` the prompt forward's time), so a drafter learns from the prompt with
-    the same call. `draft_ms` and `verify_ms` are the decode loop's own clock for this step (draft, then
-    verify + accept + crop), so methods that weigh their cost against their gain need no clock of their own.
+    the first new token), so a drafter learns from the prompt with the same call. A step's times are not here: the
+    loop reads them with the step's event, behind the next launch (a drafter weighs its cost by the cost model's
+    prices, `priced`).
     """
 
     path: list[int]  # accepted draft nodes, root to leaf
@@ -205,8 +205,6 @@ class Outcome:
     emitted: list[int]  # tokens committed this step (accepted path + own token, cut at a stop)
     extra_tokens: list[int] | None  # the target's argmax at the extras (or at `Extras.logit_rows`), when asked for
     prefill: bool = False
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
     priced: float = 0.0  # the step's price in plain steps (the cost model's, predicted over plain ms; 0: none)
 
     @property
