@@ -479,8 +479,8 @@ class Fractal(Drafter):
         step's context (`_Priced`), not between the verdict's read and the next launch."""
         if state.unread:
             w = self.plan.window
-            self.priced = _Priced(self._own_ms(state), {rows: self._passes_ms(state, rows)
-                                                        for rows in range(1 + w, 3 + 2 * w)})
+            slots = range(1 + w, 3 + 2 * w) if self.params.carry else ()  # (a verify carries slots only carrying)
+            self.priced = _Priced(self._own_ms(state), {rows: self._passes_ms(state, rows) for rows in slots})
             self.policy.plan_ahead(self._cost(state, self.priced.own), state.plain_ms(),
                                    max(0, min(state.max_depth - 1, w)))
 
