@@ -5,8 +5,8 @@
     repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
              2. launch   one target forward over [pending] + tree (+ extras); the drafter learns what the next draft
                          does without (`after_launch`); and where the device can make the next step's draft whatever
-                         this one's verdict (`ahead`: a plain step, a prompt lookup), its forward too, chained on the
-                         device (`fastpath.PlainSteps`, `fastpath.LookupSteps`)
+                         this one's verdict (`ahead`: a plain step, a prompt lookup, a layer-skip chain), its forward
+                         too, chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`)
              3. event    the step before's: the cost model learns it, its text is built, its Step goes out
              4. read     the verifier reads the forward's verdict
              5. accept   the verifier keeps a path and adds its own token
@@ -22,11 +22,12 @@ a run that stops launches nothing past its last step, but for a chained step aft
 launched; its keys are past the end).
 
 Pipelined, on the fast path and greedy, plain steps (plain decoding's, and a paused method's while its pause is known
-ahead) and prompt lookup's chain on the device: step t + 1 is launched before step t is read, its token (and its
-lookup's n-gram) what step t's program left on the device, and step t's verdict comes back through a pinned host row
-and an event, so that the device never waits for the host's work on a step. Such a step is drafted at its turn on the
-host, as any step (a prompt lookup's draft checked against the device's when the step is read), so events are
-unchanged.
+ahead), prompt lookup's and layer-skip chains chain on the device: step t + 1 is launched before step t is read, its
+token (and its lookup's n-gram, its draft chain) what step t's program left on the device, and step t's verdict comes
+back through a pinned host row and an event, so that the device never waits for the host's work on a step. Such a step
+is drafted at its turn on the host, as any step (a prompt lookup's draft checked against the device's when the step is
+read; a layer-skip chain's tokens read with the verdict, as any unread draft's, and the device's acceptance checked
+against the host's), so events are unchanged.
 
 Timing covers only the time spent inside this generator: whatever a consumer does between events
 (rendering, printing) never counts against a method. On CUDA no phase boundary synchronises: the clock's marks are
@@ -45,6 +46,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import NoneType
 from typing import Any
 
 import numpy as np
@@ -52,7 +54,7 @@ import torch
 
 from specgui import compiled, costs, fastpath, kvcache, methods
 from specgui.costs import CostProfile
-from specgui.draft import Draft, Outcome, Rider
+from specgui.draft import Draft, Lookup, Outcome, Rider, SkipChain
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
 from specgui.loading import LoadedModel
@@ -173,12 +175,15 @@ class _Launched:
     logits: torch.Tensor | Top
     extra_logits: torch.Tensor | None = None
     extra_rows: list[int] | None = None
-    chained: bool = False  # a step chained on the device (`fastpath.PlainSteps`, `fastpath.LookupSteps`)
+    chained: bool = False  # a step chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`)
+    kind: type = NoneType  # a chained step's: its draft's `device_draft` kind (a plain step's: NoneType)
     ready: Any = None  # a chained step's CUDA event: its verdict is on the host behind it
     end: Any = None  # pipelined: the clock's mark right behind its forward
     ahead: bool = False  # launched before the step before it was read
     promise: Draft | None = None  # launched ahead: the draft the drafter promised (`Drafter.ahead`)
-    drafted: torch.Tensor | None = None  # a prompt lookup's: the ids the device drafted (`fastpath.lookup.check`)
+    drafted: torch.Tensor | None = None  # what the device made at the launch that the read checks: a prompt
+    # lookup's ids (`fastpath.lookup.check`), how many tokens a skip chain's acceptance took (`fastpath.skips.check`)
+    nodes: torch.Tensor | None = None  # a skip chain's Tops: its nodes' values (`OnDevice.values`)
 
     def wait(self) -> None:
         """Before the verdict's read: a chained step's copy to the host has run (not the forwards launched since)."""
@@ -335,8 +340,8 @@ def generate(
             context = state.tokens[-4:]
             # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing, or a lookup)
             draft = drafter.draft(state)
-            rows = (1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0) if draft.lookup is None
-                    else 1 + draft.lookup.size)  # a lookup made on the device verifies its size's rows, found or not
+            made = draft.device_draft  # a draft the device makes at the launch verifies its size's rows, found or not
+            rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0) if made is None else 1 + made.size
             # 2. launch: one target forward over the pending token, the tree and any extras
             if ahead is not None:
                 if not _kept(state, ahead.promise, draft):
@@ -353,7 +358,7 @@ def generate(
             #    device, launched before this one is read
             promise = (drafter.ahead(state) if launched.chained and state.chains  # (room after this step's most)
                        and state.generated + rows + 1 <= state.max_new_tokens else None)
-            if promise is not None and (promise.lookup is None) == (launched.drafted is None):  # chains of one kind
+            if promise is not None and type(promise.device_draft) is launched.kind:  # chains of one kind
                 halted = should_stop is not None and should_stop()  # polled before the step, as ever: once
                 if not halted:
                     ahead = _launch(state, promise, chains, ahead=True)
@@ -367,16 +372,20 @@ def generate(
             if done is not None:
                 yield event(done, counted=False)  # 3. event, pipelined: the step before's, beside this forward
                 clock.away(away.pop())
-            # 4. read the verdict (serially, the clock's mark just before it), with a prompt lookup's ids as the device
-            #    drafted them (checked against the host's draft)
+            # 4. read the verdict (serially, the clock's mark just before it), with what the device drafted at the
+            #    launch: a prompt lookup's ids (checked against the host's draft), a skip chain's nodes (the draft's)
             drafted = [] if launched.drafted is None else [Rider(launched.drafted)]
+            if launched.nodes is not None:
+                draft.on_device.values = launched.nodes
             verdict = verify(launched.logits, draft, sampling, generator, launched.extra_logits,
                              extra_rows=launched.extra_rows, riders=state.riders + drafted,
                              before_read=(launched.wait if pipeline
                                           else functools.partial(clock.mark, wait=launched.ready is not None)))
             state.riders = []
-            if drafted:
+            if launched.kind is Lookup:
                 fastpath.lookup.check(drafted[0].values, draft.tokens)
+            elif launched.kind is SkipChain:
+                fastpath.skips.check(drafted[0].values, verdict.path)
             # 5. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
             emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
             emitted, stop = _cut(lm, state, emitted)
@@ -422,23 +431,24 @@ costs.use_decoder(run)  # the cost model times plain steps with this loop withou
 
 def _plain(state: DecodeState, draft: Draft) -> bool:
     """Whether a step is plain decoding's: nothing drafted, nothing observed or brought along by its forward."""
-    return (not len(draft) and draft.extras is None and draft.observer is None and draft.lookup is None
+    return (not len(draft) and draft.extras is None and draft.observer is None and draft.device_draft is None
             and not state.riders)
 
 
 def _kept(state: DecodeState, promise: Draft, draft: Draft) -> bool:
-    """Whether a step launched ahead was drafted as promised: a plain step, or the same prompt lookup."""
-    return draft.lookup == promise.lookup if promise.lookup is not None else _plain(state, draft)
+    """Whether a step launched ahead was drafted as promised: a plain step, or the same draft made on the device."""
+    return draft.device_draft == promise.device_draft if promise.device_draft is not None else _plain(state, draft)
 
 
 class _Chains:
     """A run's steps chained on the device, made as its steps first want them: plain ones, pipelined
-    (`fastpath.PlainSteps`), and prompt lookup's (`fastpath.LookupSteps`)."""
+    (`fastpath.PlainSteps`), prompt lookup's (`fastpath.LookupSteps`) and layer-skip ones (`fastpath.SkipSteps`)."""
 
     def __init__(self, cache: fastpath.StaticKVCache, pipeline: bool) -> None:
         self.cache, self.pipeline = cache, pipeline
         self.plain: fastpath.PlainSteps | None = None
         self.lookups: dict[tuple[int, int], fastpath.LookupSteps] = {}
+        self.skips: fastpath.SkipSteps | None = None
 
     def plain_steps(self) -> fastpath.PlainSteps:
         if self.plain is None:
@@ -450,17 +460,26 @@ class _Chains:
             self.lookups[ngrams] = fastpath.LookupSteps(self.cache, ngrams)
         return self.lookups[ngrams]
 
+    def skip_steps(self) -> fastpath.SkipSteps:
+        if self.skips is None:
+            self.skips = fastpath.SkipSteps(self.cache)
+        return self.skips
+
 
 def _launch(state: DecodeState, draft: Draft, chains: _Chains | None, ahead: bool = False) -> _Launched:
-    """2. launch: the step's target forward, chained on the device where it can be: a prompt lookup made there
-    (`Draft.lookup`), or, pipelined, a plain step (at the pending token's position, its id the host's, or, for a step
-    launched `ahead`, the one the step before leaves there, as a lookup finds its n-gram in what that step left)."""
-    lookup = draft.lookup
-    if lookup is not None and chains is None:
-        raise SpecGUIError("a prompt lookup made on the device needs the fast path under greedy decoding")
-    if lookup is not None and (lookup.size or chains.pipeline):  # (serially a lookup of nothing is a plain step)
-        top, ready, drafted = chains.lookup_steps(lookup.ngrams).launch(lookup.size, None if ahead else state.tokens)
-        return _Launched(top, chained=True, ready=ready, drafted=drafted)
+    """2. launch: the step's target forward, chained on the device where it can be: a draft made there
+    (`Draft.device_draft`: a prompt lookup, a skip chain), or, pipelined, a plain step (at the pending token's position,
+    its id the host's, or, for a step launched `ahead`, the one the step before leaves there, as a lookup finds its
+    n-gram in what that step left)."""
+    made, tokens = draft.device_draft, None if ahead else state.tokens
+    if made is not None and chains is None:
+        raise SpecGUIError("a draft made on the device needs the fast path under greedy decoding")
+    if isinstance(made, SkipChain):
+        top, ready, accepted, nodes = chains.skip_steps().launch(made, tokens)
+        return _Launched(top, chained=True, kind=SkipChain, ready=ready, drafted=accepted, nodes=nodes)
+    if made is not None and (made.size or chains.pipeline):  # (serially a lookup of nothing is a plain step)
+        top, ready, drafted = chains.lookup_steps(made.ngrams).launch(made.size, tokens)
+        return _Launched(top, chained=True, kind=Lookup, ready=ready, drafted=drafted)
     if chains is None or not chains.pipeline or not _plain(state, draft):
         return _Launched(*_verify_forward(state, draft))
     top, ready = chains.plain_steps().launch(state.committed + ahead, None if ahead else state.pending)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specgui.runner import Observer, PreLayer
+from specgui.runner import Observer, PreLayer, SkipPlan
 
 
 @dataclass
@@ -64,7 +64,7 @@ class OnDevice:
     nodes: int
     tokens: torch.Tensor | None  # [N] ids (any dtype that holds them exactly) for the verify forward to place; None:
     # already where it reads them (a chained draft put them there: `fastpath.chain`)
-    values: torch.Tensor  # float32, read with the verdict
+    values: torch.Tensor | None  # float32, read with the verdict (None until the launch, for a `SkipChain`'s)
     decide: Callable[[list[float]], tuple[list[int], list[bool], list[float]]]  # read values -> tokens, valid, probs
     spine: list[int]
 
@@ -81,6 +81,21 @@ class Lookup:
 
     size: int
     ngrams: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class SkipChain:
+    """A layer-skip draft the device makes at the step's launch (`fastpath.SkipSteps`): `size` tokens drafted with
+    `plan`'s sub-layers skipped from the token the step before left on the device, each standing while every token
+    before it reached `threshold` (the draft-exit on the draft's top-1 probability). Its tokens are known on the host
+    only with the step's read (`OnDevice`, its values the launch's), so that it needs no read of the step before."""
+
+    plan: SkipPlan
+    size: int
+    threshold: float
+
+
+DeviceDraft = Lookup | SkipChain  # a draft the device makes at the launch, from what the step before left there
 
 
 @dataclass
@@ -115,7 +130,7 @@ class Draft:
     rows: list[int] | None = None  # after `settle`: each node's index among the nodes the verify carried
     confidences: list[float] | None = None  # after `settle`: each node's draft probability
     spine: list[int] | None = None  # after `settle`: the kept nodes of the drafted chain
-    lookup: Lookup | None = None  # made again on the device at the launch, which verifies `size` + 1 rows
+    device_draft: DeviceDraft | None = None  # made on the device at the launch, which verifies `size` + 1 rows
 
     def __post_init__(self) -> None:
         n = len(self.tokens) if self.on_device is None else self.on_device.nodes

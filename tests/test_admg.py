@@ -91,6 +91,7 @@ def test_the_skip_sets_program_is_made_only_when_a_step_drafts_with_it():
     steep, flat = priced([ms, 64 * ms]), priced([ms, ms])  # a verify of two rows: twice a step, or one
     ids, params = [1, 5, 9, 3, 7, 2, 11, 4, 1, 5, 9, 3, 7, 2], {"alpha": 0.0, "keep_last": 0, "exit_threshold": 0.0}
     list(decode.generate(lm, ids, "baseline", max_new_tokens=4, fast_path="on", profile=steep))  # programs made
+    fastpath.skips.warm_up(lm.runner.static_cache, range(1, 33))  # and chained layer-skip steps', any plan's (setup's)
 
     def counted(method: str, profile: costs.CostProfile) -> tuple[decode.Result, int, tuple[int, int, int]]:
         """The run, the programs it made, and its passes' programs, device operations and reads."""

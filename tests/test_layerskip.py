@@ -1,11 +1,14 @@
-"""The drafting loop both layer-skip methods share: cache invariant, draft-exit."""
+"""The drafting loop the layer-skip methods share: cache invariant, draft-exit, chains drafted on the device."""
 
 import pytest
 import torch
 
+from helpers import baseline_run, drafting, flat_profile, tiny_model
+from specgui import decode, dispatch, fastpath
+from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState
-from specgui.methods.layerskip import ExitThreshold, draft_chain
+from specgui.methods.layerskip import ExitThreshold, UnreadChain, draft_chain
 from specgui.runner import SkipPlan
 from specgui.sampling import GREEDY, Sampling
 
@@ -80,3 +83,45 @@ def test_adaptive_exit_threshold_follows_acceptance():
     before = strict.value
     strict.update(0, 4, "limit")  # the threshold did not stop this draft: no evidence about it
     assert strict.value == before
+
+
+CHAINED = [("admg", {"exit_threshold": 0.2, "max_draft": 4}), ("clasp", {"det": 0.2, "loi": 4, "max_draft": 4})]
+
+
+@pytest.mark.parametrize(("method", "params"), CHAINED)
+def test_on_the_pipelined_fast_path_layer_skip_steps_chain_on_the_device(method, params):
+    """Layer-skip chains drafted on the device at the launch (`fastpath.SkipSteps`): pipelined, a step whose plan, size
+    and exit threshold are fixed before the verdict before it is read is launched before that read, so the device
+    waits for the host at the first step, at CLaSp's searches and the steps recording for them, and where the budget
+    leaves no room for a step ahead; serially at every step. Under the overwrite check both give plain decoding's
+    tokens, with drafts cut at their exits or not, accepted in part and whole, and the same events."""
+    lm = tiny_model(seed=1, init=0.3)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    kwargs = {"max_new_tokens": 32, "fast_path": "on", "params": drafting(method, params),
+              "profile": flat_profile(lm, True)}
+    runs, waited = {}, {}
+    for pipeline in (True, False):
+        with fastpath.overwrite_check(), dispatch.counting() as counts:
+            runs[pipeline] = result = decode.run(lm, prompt, method, pipeline=pipeline, **kwargs)
+        assert result.token_ids == baseline_run(lm, prompt, 32).token_ids
+        waited[pipeline] = counts.waited
+    steps = runs[True].steps
+    assert waited[False] == len(steps)
+    searched = sum(s.payload.get("reoptimized", False) for s in steps)  # CLaSp's, and the step recording before each
+    assert 1 <= waited[True] <= 3 + 2 * searched < len(steps)
+    assert {s.payload["exit"]["reason"] for s in steps if s.drafted} == {"threshold", "limit"}
+    assert any(0 < len(s.path) < len(s.draft_tokens) for s in steps)
+    assert any(len(s.path) == len(s.draft_tokens) > 0 for s in steps)
+    shown = [(s.draft_tokens, s.path, s.emitted, s.payload["exit"]) for s in steps]
+    assert shown == [(s.draft_tokens, s.path, s.emitted, s.payload["exit"]) for s in runs[False].steps]
+
+
+def test_a_device_acceptance_other_than_the_hosts_stops_the_run_with_a_one_line_error(monkeypatch):
+    """A chained layer-skip step's tokens are accepted twice, by the device (which the steps chained after it start
+    from) and by the host (which emits them): were they ever to differ, the run stops rather than go on from tokens
+    the host did not decode. Here the host takes no draft token as standing."""
+    lm = tiny_model(seed=1, init=0.3)
+    monkeypatch.setattr(UnreadChain, "standing", lambda self, confidences: [False] * len(confidences))
+    with pytest.raises(SpecGUIError, match="the device accepted"):
+        decode.run(lm, [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], "admg", max_new_tokens=32, fast_path="on",
+                   params=drafting("admg", dict(CHAINED)["admg"]), profile=flat_profile(lm, True))

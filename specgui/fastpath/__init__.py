@@ -16,7 +16,10 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
     made at warm-up or when a method adopts a plan, never inside a timed step;
   * `readout`: the one buffer a greedy step reads, its verify Tops and what rides along with them;
   * `passes`: `StaticPass`, one forward: inputs loaded, program found, program run; plain steps chained (`PlainSteps`);
-  * `lookup`: prompt lookup's steps chained on the device, n-gram match, verify and acceptance in one program.
+  * `cursor`: what steps chained on the device share: the run's tokens there, a block's inputs built at its cursor,
+    the greedy acceptance written back;
+  * `lookup`: prompt lookup's steps chained on the device, n-gram match, verify and acceptance in one program;
+  * `skips`: layer-skip steps chained on the device, a draft chain from the cursor, its verify and acceptance.
 A step's forward goes through them in turn: `decode` -> `Runner.forward` -> `passes.StaticPass.whole_forward` ->
 `inputs.BucketInputs.load` (one upload, the bucket's builder program replayed) -> `programs.forward_program` (looked
 up in the cache's `program.Programs`) -> `program.Program.__call__` (a replay) -> a verify's `Top`, a view of the
@@ -46,11 +49,12 @@ from specgui.fastpath.programs import (
     warm_up,
 )
 from specgui.fastpath.readout import CHAIN_NODES
+from specgui.fastpath.skips import SkipSteps
 from specgui.runner import Runner
 
 __all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "LookupSteps", "Piece", "PlainSteps", "Program",
-           "RunLayers", "RunRows", "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain", "checked",
-           "compiles_for", "masks", "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
+           "RunLayers", "RunRows", "SkipSteps", "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain",
+           "checked", "compiles_for", "masks", "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
 
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")

@@ -24,7 +24,8 @@ import torch
 
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
-from specgui.fastpath.inputs import bucket, fixed_block
+from specgui.fastpath.cursor import Block, Synced
+from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
 from specgui.fastpath.readout import HostRows, width
@@ -68,15 +69,12 @@ def lookup_program(cache: StaticKVCache, rows: int, ngrams: tuple[int, int]) -> 
     out). Its input: [size, length], the most tokens to draft and, where the host knows it (a chain's first step), the
     history's length (else -1: the cursor's). Its output, flat [rows * (3 k + 1) + rows]: the verify's packed `Top` of
     each row, then each row's id (row 0 the pending token's, then the draft's, -1 past it), read in one piece."""
-    inputs = cache.inputs_for(rows)
     history, cursor = cache.history, cache.cursor
 
     def make() -> Program:
-        forward = forward_program(cache, inputs, top=VERIFY_TOP)
-        device, layers = cache.runner.device, cache.runner.num_layers
-        ahead = torch.arange(rows, device=device)
-        causal = torch.from_numpy(fixed_block(rows, causal=True).astype(np.int64).reshape(-1)).to(device)
-        capacity = history.shape[0]
+        block = Block(cache, rows)
+        forward = forward_program(cache, block.inputs, top=VERIFY_TOP)
+        ahead = block.ahead
 
         def run(control: torch.Tensor) -> torch.Tensor:
             length = torch.where(control[1:] >= 0, control[1:], cursor)  # [1]: the pending token's included
@@ -87,19 +85,13 @@ def lookup_program(cache: StaticKVCache, rows: int, ngrams: tuple[int, int]) -> 
                 ids = torch.cat([pending, torch.where(valid, draft, pending)])
             else:
                 valid, ids = ahead[:0] > 0, pending
-            at = length - 1  # the pending token's position: the block's first row
-            inputs._build(torch.cat([at + ahead, at.expand(layers), at.expand(layers), causal, ids]))
+            block.build(length, ids)
             top = forward.fn(forward.input)  # the verify's packed Top of every row
-            best = top[:, 0].long()
-            accepted = ((ids[1:] == best[:-1]) & valid).long().cumprod(0).sum().view(1)
-            own = best.index_select(0, accepted)
-            kept = torch.where(ahead < accepted, torch.cat([ids[1:], own]), own)
-            history.index_copy_(0, (length + ahead).clamp(max=capacity - 1), kept)
-            cursor.copy_(length + accepted + 1)
+            block.accept(length, ids, valid, top[:, 0].long())
             shown = torch.cat([ids[:1], torch.where(valid, ids[1:], -1)]).float()
             return torch.cat([top.reshape(-1), shown])
 
-        control = torch.zeros(2, dtype=torch.long, device=device)
+        control = torch.zeros(2, dtype=torch.long, device=cache.runner.device)
         return Program(run, control, cache.programs, forward.graphs)  # where the forward's layers can be captured
 
     return cache.programs.get(key(None, LOOKUP, rows, *ngrams), make)
@@ -116,7 +108,7 @@ class LookupSteps:
     def __init__(self, cache: StaticKVCache, ngrams: tuple[int, int]) -> None:
         self.cache, self.ngrams = cache, ngrams
         self.host = HostRows(cache.tokens.shape[1] * (width(VERIFY_TOP) + 1), cache.runner.device)
-        self.synced = 0  # the history's ids the host uploaded (the device's own steps wrote the rest, the same ids)
+        self.synced = Synced(cache)
 
     def launch(self, size: int, tokens: list[int] | None) -> tuple[Top, torch.cuda.Event | None, torch.Tensor]:
         """A step drafting up to `size` tokens from the device's history, or, given the run's `tokens` (the pending
@@ -124,14 +116,7 @@ class LookupSteps:
         reading it (None off CUDA) and the host view of the ids it drafted [rows] (read with the verdict: `check`)."""
         cache, rows = self.cache, bucket(1 + size)
         program = lookup_program(cache, rows, self.ngrams)
-        length = -1
-        if tokens is not None:
-            length = len(tokens)
-            if length + rows > cache.capacity:
-                raise SpecGUIError(f"a lookup step of {rows} rows at {length} does not fit the fast path's capacity "
-                                   f"of {cache.capacity} positions; use --fast-path off")
-            upload(cache.history[self.synced : length], np.asarray(tokens[self.synced :], dtype=np.int64))
-            self.synced = length
+        length = self.synced.sync(tokens, rows)
         upload(program.input, np.array([size, length], dtype=np.int64))
         step = cache.runner.new_pass(np.zeros(1, dtype=np.int64), cache)  # a forward pass of its own (counted)
         out = step.call(program)

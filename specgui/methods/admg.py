@@ -106,6 +106,10 @@ class Admg(LayerSkipDrafter):
             self.adopted = True
         return 0.0, {}
 
+    def ready_ahead(self) -> bool:
+        """The prompt's skip set was adopted (its programs made) by a step before."""
+        return self.adopted
+
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
             return {}

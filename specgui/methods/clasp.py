@@ -104,6 +104,11 @@ class Clasp(LayerSkipDrafter):
     def observer(self) -> HiddenRecorder | None:
         return self.recorder if self._records() else None  # the states are references, kept until a search
 
+    def ready_ahead(self) -> bool:
+        """The next step neither searches (due after `loi` steps) nor records the states a search reads (the step
+        before it): after this step's verdict, `since_dp` is one more."""
+        return self.searched and self.since_dp + 2 < self.params.loi
+
     def learn(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if outcome.prefill:
             return {}

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from specgui import fastpath
-from specgui.draft import Draft, OnDevice, Outcome
+from specgui.draft import Draft, OnDevice, Outcome, SkipChain
 from specgui.methods.base import DecodeState, Drafter
 from specgui.methods.policy import Plan, SizedParams
 from specgui.params import param
@@ -55,18 +55,21 @@ class Chain:
 
 @dataclass
 class UnreadChain:
-    """A chain drafted on the device (`DecodeState.unread`): `limit` tokens whatever their confidence, as the draft
-    head's verdicts (`Top`: a row per chain position, its token first, then the runners-up, with their draft
-    probabilities), and the exit threshold that decides, once they are read, which tokens stand."""
+    """A chain drafted on the device (`DecodeState.unread`): `size` tokens whatever their confidence, as the draft
+    head's verdicts (a `Top` of `k` ids a row, a row per chain position, its token first, then the runners-up, with
+    their draft probabilities), and the exit threshold that decides, once they are read, which tokens stand. `top` is
+    where the host's launch left them (None: a chain the device drafts at the step's launch, `SkipChain`)."""
 
-    top: Top
+    size: int
+    k: int
     threshold: float
     placed: bool  # whether the nodes' ids already sit where the verify reads them (`fastpath.chain`)
+    top: Top | None = None
 
     def rows(self, values: list[float]) -> list[tuple[list[int], list[float]]]:
-        """The read `values` of `top.packed`, per chain position: (ids, their draft probabilities)."""
-        k, width = self.top.k, self.top.packed.shape[1]
-        rows = [values[i * width : (i + 1) * width] for i in range(len(self.top))]
+        """The read `values` of the chain's packed `Top`, per chain position: (ids, their draft probabilities)."""
+        k, width = self.k, 3 * self.k + 1
+        rows = [values[i * width : (i + 1) * width] for i in range(self.size)]
         return [([int(v) for v in row[:k]], row[2 * k : 3 * k]) for row in rows]
 
     def standing(self, confidences: list[float]) -> list[bool]:
@@ -105,7 +108,7 @@ def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: floa
             token = got.ids[:, 0].long()
         packed = torch.cat(parts)
     state.cache.crop(start)
-    return UnreadChain(Top(packed, top), threshold, placed)
+    return UnreadChain(limit, top, threshold, placed, Top(packed, top))
 
 
 def draft_sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
@@ -210,15 +213,28 @@ def adaptive_exit(params: AdaptiveExitParams) -> ExitThreshold:
 
 
 class LayerSkipDrafter(Drafter):
-    """Drafts with `self.plan` skipped; subclasses choose the plan in `begin` / `learn`."""
+    """Drafts with `self.plan` skipped; subclasses choose the plan in `begin` / `learn`.
+
+    On the device's path (`DecodeState.unread`) a chain drafted with the whole vocabulary's head, whose verify nobody
+    observes, is drafted on the device at the step's launch (`SkipChain`, `fastpath.SkipSteps`): from the token the
+    step before left there, so that, pipelined, a step whose plan, size and exit threshold are fixed before the verdict
+    before it is read is launched before that read (`ahead`). What a draft is made of is fixed beside the forward
+    before (`after_launch`) in either loop: its size (`DraftPolicy.plan_ahead`) and its exit threshold, which an
+    adaptive exit (`ExitThreshold`) moves with each verdict, so that there a step's threshold is the one the verdicts
+    up to the step before last made (a step late), and both loops draft alike."""
 
     pauses_plainly = True
+    chains = True  # whether its chains may be drafted on the device at the launch (SWIFT's trees carry siblings)
 
     def setup(self, state: DecodeState) -> None:
         """The draft vocabulary's head priced before decoding (`vocab.head_ms`: a first-use timing, saved with the
-        profile), where the drafts compute one."""
-        priced = state.profile is not None and DraftVocab.typical(self.runner, self.params.draft_vocab) is not None
+        profile), where the drafts compute one; where they may be drafted at the launch, the programs of those steps
+        made (`fastpath.skips.warm_up`: a plan's own are made as it is adopted)."""
+        typical = DraftVocab.typical(self.runner, self.params.draft_vocab)
+        priced = state.profile is not None and typical is not None
         self.head_price = head_ms(state.profile, self.runner, self.params.draft_vocab) if priced else None
+        if state.unread and self.chains and typical is None:
+            fastpath.skips.warm_up(state.cache, range(1, self.params.max_draft + 1))
 
     def begin(self, state: DecodeState) -> Observer | None:
         self.plan = SkipPlan()
@@ -228,6 +244,8 @@ class LayerSkipDrafter(Drafter):
         self.chain: Chain | None = None
         self.unread: Draft | None = None  # the latest draft, where it was drafted unread (`DecodeState.unread`)
         self.priced: tuple[SkipPlan, float] | None = None  # a draft token's price, made ahead (`after_launch`)
+        self.threshold = self.exit.value  # the device's path: the exit threshold of the next draft (`after_launch`)
+        self.drafted_with = self.exit.value  # the exit threshold of the latest unread draft
         self.vocab = DraftVocab.of(state.runner, self.params.draft_vocab, state.tokens)
         self.missed = 0  # rejections whose target token lay outside the draft vocabulary
         return None
@@ -270,11 +288,17 @@ class LayerSkipDrafter(Drafter):
         info = {"skip": skipped.to_dict(), "draft_len": sizing.size, "plan": sizing.to_dict(), **prepared}
         self.chain, self.unread = None, None
         if drafting and state.unread:  # the tokens are read with the verdict; `observe` completes the payload
-            draft = self.unread_proposal(draft_unread(state, self.plan, sizing.size, self.exit.value,
-                                                      self.alternatives, self.vocab))
+            self.drafted_with = threshold = self.threshold
+            observer = self.observer()
+            at_launch = self.chains and self.vocab is None and observer is None and not state.riders
+            draft = self.unread_proposal(
+                UnreadChain(sizing.size, max(2, self.alternatives + 1), threshold, True) if at_launch
+                else draft_unread(state, self.plan, sizing.size, threshold, self.alternatives, self.vocab))
+            if at_launch:  # drafted on the device at the launch, from the token the step before left there
+                draft.device_draft = SkipChain(self.plan, sizing.size, threshold)
             priced, self.priced = self.priced, None  # a draft token's price, made beside the forward before
             token_ms = priced[1] if priced is not None and priced[0] is self.plan else self.token_ms(state)
-            draft.observer, draft.info, draft.cost_ms = self.observer(), info, sizing.size * token_ms
+            draft.observer, draft.info, draft.cost_ms = observer, info, sizing.size * token_ms
             draft.cost_ms += prepared_ms
             self.unread = draft
             return draft
@@ -288,27 +312,48 @@ class LayerSkipDrafter(Drafter):
         return Draft(**fields, observer=self.observer(), info=info, cost_ms=cost)
 
     def after_launch(self, state: DecodeState) -> None:
-        """On the device's path (`DecodeState.unread`) the next step's plan is chosen here, beside this step's
-        forward, not between this step's read and the next draft's launch, where the device would wait for the
-        pricing of every size (`DraftPolicy.plan_ahead`; this step emits a token at least: the next has that much less
-        room); and the price of a draft token, for the draft's cost, while the plan skips what it skips now."""
+        """On the device's path (`DecodeState.unread`) what the next draft is made of is fixed here, beside this step's
+        forward, not between this step's read and the next draft's launch, where the device would wait for it: its
+        plan (`DraftPolicy.plan_ahead`, priced at every size; the next step has the room this one leaves whatever it
+        emits) and its exit threshold (the one the verdicts read so far made); and the price of a draft token, for
+        the draft's cost, while the plan skips what it skips now."""
         if state.unread:
             self.priced = self.plan, self.token_ms(state)
+            self.threshold = self.exit.value
+            emits = 1 + (self.sizing_plan.size if self.sizing_plan is not None else 0)  # this step's most
             self.policy.plan_ahead(*self._pricing(state, self.priced[1]),
-                                   max(0, min(self.params.max_draft, state.max_depth - 1)))
+                                   max(0, min(self.params.max_draft, state.max_depth - emits)))
+
+    def ahead(self, state: DecodeState) -> Draft | None:
+        """A paused step (plain); or, where chains are drafted at the launch and the next step's plan, size and
+        threshold are fixed already (`after_launch`) with no work of its own before its draft (`ready_ahead`), the
+        next step's chain, made on the device from what this step leaves there."""
+        promise = super().ahead(state)
+        planned = self.policy.next
+        if promise is not None or planned is None or not (self.chains and self.vocab is None and state.unread):
+            return promise
+        ready = planned[0].size > 0 and not state.riders and self.ready_ahead()
+        return Draft(device_draft=SkipChain(self.plan, planned[0].size, self.threshold)) if ready else None
+
+    def ready_ahead(self) -> bool:
+        """Whether the next step drafts with the plan standing now, nothing to prepare before its draft and no
+        observer of its verify (CLaSp's search and the step before it, ADMG's first adoption): true here."""
+        return True
 
     def unread_proposal(self, chain: UnreadChain) -> Draft:
         """The fixed-shape draft an `UnreadChain` verifies as (`proposal`'s counterpart): the chain itself here."""
-        k = len(chain.top)
+        k = chain.size
         ids = None if chain.placed else chain.top.ids[:, 0]
-        return Draft(on_device=OnDevice(k, ids, chain.top.packed, chain.decide, list(range(k))))
+        values = None if chain.top is None else chain.top.packed
+        return Draft(on_device=OnDevice(k, ids, values, chain.decide, list(range(k))))
 
     def settled_chain(self, draft: Draft) -> Chain:
         """The `Chain` a read-as-you-go draft would have made, from an unread draft the step's read settled."""
         tokens = [draft.tokens[i] for i in draft.spine]
         confidences = [draft.confidences[i] for i in draft.spine]
-        reason = "threshold" if confidences and confidences[-1] < self.exit.value else "limit"
-        self.exit_payload = {"threshold": self.exit.value, "confidences": draft.confidences, "reason": reason}
+        threshold = self.drafted_with
+        reason = "threshold" if confidences and confidences[-1] < threshold else "limit"
+        self.exit_payload = {"threshold": threshold, "confidences": draft.confidences, "reason": reason}
         return Chain(tokens, None, confidences, reason)
 
     alternatives = 0  # runner-up tokens `draft_chain` records per position (for `proposal`)

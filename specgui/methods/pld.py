@@ -126,7 +126,7 @@ class PromptLookup(Drafter):
         found, n = self.index.lookup(state.tokens, plan.size) if plan.size else ([], 0)
         self.drafted, self.exhausted = len(found), len(found) < plan.size
         return Draft(tokens=found, cost_ms=self.lookup_ms if plan.size else 0.0,
-                     info={"ngram": n, "plan": plan.to_dict()}, lookup=Lookup(plan.size, self.params.ngrams))
+                     info={"ngram": n, "plan": plan.to_dict()}, device_draft=Lookup(plan.size, self.params.ngrams))
 
     def after_launch(self, state: DecodeState) -> None:
         if self.on_device:  # (this step emits at least one token: the next has that much less room)
@@ -135,7 +135,7 @@ class PromptLookup(Drafter):
     def ahead(self, state: DecodeState) -> Draft | None:
         if self.on_device:
             planned = self.policy.next
-            return Draft(lookup=Lookup(planned[0].size, self.params.ngrams)) if planned is not None else None
+            return Draft(device_draft=Lookup(planned[0].size, self.params.ngrams)) if planned is not None else None
         return super().ahead(state)
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:

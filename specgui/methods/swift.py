@@ -155,6 +155,7 @@ class Swift(LayerSkipDrafter):
     summary = "Searches the skip set while decoding (random + Bayesian search on its own output), drafts confidently."
     Params = SwiftParams
     pauses_plainly = False  # its search runs forwards of its own between steps, paused or not
+    chains = False  # its trees carry siblings, which a chain drafted at the launch does not
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
@@ -185,7 +186,7 @@ class Swift(LayerSkipDrafter):
         """The widest tree dynamic verification can make (every chain position with all its runner-ups), each
         sibling standing where its position's confidence allows that many (`OnDevice`, decided on the host once
         read): the verify carries them all."""
-        k, spare = len(chain.top), self.alternatives
+        k, spare = chain.size, self.alternatives
         spine = [i * (spare + 1) for i in range(k)]
         parents = [spine[i - 1] if i else -1 for i in range(k) for _ in range(spare + 1)]
 

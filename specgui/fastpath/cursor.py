@@ -1,0 +1,74 @@
+"""What every step chained on the device shares: the run's tokens as the device knows them, where the step starts.
+
+Why: a step launched before the one before it is read (`lookup.LookupSteps`, `skips.SkipSteps`) cannot take its
+pending token or its position from the host. The device keeps the run's tokens (`StaticKVCache.history`) and how many
+(`cursor`, the pending token's included); a chained step reads its pending token and position there, builds its
+bucket's inputs at that position on the device (`Block.build`), verifies, and writes what it accepts back, the
+cursor moved past it (`Block.accept`). Where the host decoded steps the device did not write (a chain's first step,
+after plain steps or a read), it uploads what the history lacks first (`Synced.sync`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specgui.errors import SpecGUIError
+from specgui.fastpath.cache import StaticKVCache
+from specgui.fastpath.inputs import fixed_block
+from specgui.kvcache import upload
+
+
+class Block:
+    """A bucket's causal block at the device's cursor, for a program's function: its constants made once, when the
+    program is (never inside a capture)."""
+
+    def __init__(self, cache: StaticKVCache, rows: int) -> None:
+        self.cache, self.inputs = cache, cache.inputs_for(rows)
+        device = cache.runner.device
+        self.ahead = torch.arange(rows, device=device)
+        self.causal = torch.from_numpy(fixed_block(rows, causal=True).astype(np.int64).reshape(-1)).to(device)
+
+    def build(self, length: torch.Tensor, ids: torch.Tensor) -> None:
+        """The bucket's inputs for the block at the pending token's position (`length` [1] less one) on, every layer
+        seeing the keys before it, its rows' ids `ids` (negative: the id the token buffer holds there): what
+        `BucketInputs.load` would upload, made on the device."""
+        at, layers = length - 1, self.cache.runner.num_layers
+        self.inputs._build(torch.cat([at + self.ahead, at.expand(layers), at.expand(layers), self.causal, ids]))
+
+    def accept(self, length: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, best: torch.Tensor
+               ) -> torch.Tensor:
+        """Greedy acceptance of a chain draft, written back: `ids` [R] the block's ids (the pending token's, then the
+        draft's), `valid` [R - 1] the draft tokens that may be accepted, `best` [R] the target's choice at each row.
+        The accepted draft tokens and the verifier's own go to the history after the pending token, and the cursor
+        moves past them. Returns how many draft tokens it accepted [1]."""
+        history, ahead = self.cache.history, self.ahead
+        accepted = ((ids[1:] == best[:-1]) & valid).long().cumprod(0).sum().view(1)
+        own = best.index_select(0, accepted)
+        kept = torch.where(ahead < accepted, torch.cat([ids[1:], own]), own)
+        history.index_copy_(0, (length + ahead).clamp(max=history.shape[0] - 1), kept)
+        self.cache.cursor.copy_(length + accepted + 1)
+        return accepted
+
+
+class Synced:
+    """The host's side of a run's chained steps of one kind: what of the history it uploaded (the device's own steps
+    wrote the rest, the same ids)."""
+
+    def __init__(self, cache: StaticKVCache) -> None:
+        self.cache = cache
+        self.synced = 0
+
+    def sync(self, tokens: list[int] | None, rows: int) -> int:
+        """Before a step launched with the run's `tokens` (the pending one last): the history's missing ids uploaded,
+        and their count returned; -1 for a step launched on what the device holds (`tokens` None). A one-line error
+        where a step of `rows` rows from there would not fit the cache."""
+        if tokens is None:
+            return -1
+        cache, length = self.cache, len(tokens)
+        if length + rows > cache.capacity:
+            raise SpecGUIError(f"a chained step of {rows} rows at {length} does not fit the fast path's capacity of "
+                               f"{cache.capacity} positions; use --fast-path off")
+        upload(cache.history[self.synced : length], np.asarray(tokens[self.synced :], dtype=np.int64))
+        self.synced = length
+        return length
