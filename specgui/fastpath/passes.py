@@ -172,10 +172,12 @@ def chain(cache: StaticKVCache, skip: SkipPlan, pending: int, start: int, limit:
     readout's `ring`. The draft's keys stay past `start`; the caller crops them."""
     inputs = cache.inputs_for(1)
     program, ring = chained_program(cache, inputs, skip, nodes)
-    for i in range(limit):
-        step = cache.runner.new_pass(np.array([start + i]), cache)  # each replay is a forward pass of its own
-        if i == 0:
-            step._load(np.array([pending]))
+    # each replay a forward pass of its own, made before the first runs (between two, the host only calls); the first
+    # loads the inputs at `start`, the others never load (the replays move them on)
+    at = np.array([start])
+    passes = [cache.runner.new_pass(at, cache) for _ in range(limit)]
+    passes[0]._load(np.array([pending]))
+    for step in passes:
         step.call(program)
     inputs.owner = None  # moved on past what any pass loaded
     return ring[:limit]

@@ -30,7 +30,7 @@ from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import chained_program, forward_program
 from specgui.fastpath.readout import CHAIN, HostRows, width
 from specgui.kvcache import upload
-from specgui.runner import VERIFY_TOP, Top
+from specgui.runner import VERIFY_TOP, SkipPlan, Top
 
 START = -6  # the `kind` of the program starting a chained layer-skip step (its one-row inputs at the cursor)
 SKIP = -7  # the `kind` of a chained layer-skip step's verify program
@@ -100,6 +100,9 @@ class SkipSteps:
         self.cache = cache
         self.host = HostRows(1 + 2 * cache.tokens.shape[1] * width(VERIFY_TOP), cache.runner.device)
         self.synced = Synced(cache)
+        self.nowhere = np.zeros(1, dtype=np.int64)  # a replay's pass's positions (its inputs are built on the device)
+        self.plan: SkipPlan | None = None  # the plan of the programs at hand (a run's plan changes rarely)
+        self.made: dict[int, tuple[Program, Program, Program]] = {}  # by bucket: the start, chain and verify programs
 
     def launch(self, chain: SkipChain, tokens: list[int] | None
                ) -> tuple[Top, torch.cuda.Event | None, torch.Tensor, torch.Tensor]:
@@ -108,15 +111,20 @@ class SkipSteps:
         CUDA), the host view of how many draft tokens the device accepted [1] (read with the verdict: `check`) and
         of the chain's Tops [size, 3 k + 1] (its nodes' values: `OnDevice.values`)."""
         cache, rows = self.cache, bucket(1 + chain.size)
-        start, verify = start_program(cache), verify_program(cache, rows)
+        if chain.plan is not self.plan:
+            self.plan, self.made = chain.plan, {}
+        if rows not in self.made:
+            self.made[rows] = (start_program(cache), chained_program(cache, cache.inputs_for(1), chain.plan, 1)[0],
+                               verify_program(cache, rows))
+        start, program, verify = self.made[rows]
+        # each replay a forward pass of its own, made before the first program runs: between two, the host only calls
+        passes = [cache.runner.new_pass(self.nowhere, cache) for _ in range(chain.size + 1)]
+        cache.inputs_for(1).owner = cache.inputs_for(rows).owner = None  # built on the device: others load their own
         upload(start.input, np.array([self.synced.sync(tokens, rows), chain.size, chain.threshold], dtype=np.float64))
         start()
-        inputs = cache.inputs_for(1)
-        program, _ = chained_program(cache, inputs, chain.plan, 1)
-        for _ in range(chain.size):
-            cache.runner.new_pass(np.zeros(1, dtype=np.int64), cache).call(program)  # each a forward pass of its own
-        out = cache.runner.new_pass(np.zeros(1, dtype=np.int64), cache).call(verify)
-        inputs.owner = cache.inputs_for(rows).owner = None  # built on the device: the next passes load their own
+        for step in passes[:-1]:
+            step.call(program)
+        out = passes[-1].call(verify)
         host, event = self.host.copy(out)
         end = 1 + rows * width(VERIFY_TOP)
         return (Top(host[1:end].view(rows, -1), VERIFY_TOP), event, host[:1],
