@@ -61,7 +61,7 @@ from specgui.loading import LoadedModel
 from specgui.methods.base import DecodeState
 from specgui.runner import VERIFY_TOP, Top
 from specgui.sampling import GREEDY, Sampling
-from specgui.text import Detokenizer, piece_in_context
+from specgui.text import Detokenizer, pieces_in_context
 from specgui.verify import Verdict, verify
 
 
@@ -547,11 +547,8 @@ def _stop_reason(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> str
 
 def _draft_pieces(lm: LoadedModel, context: list[int], draft: Draft) -> list[str]:
     """Each draft token's text, read after its own ancestors."""
-    pieces = []
-    for i, token in enumerate(draft.tokens):
-        ancestors = [draft.tokens[a] for a in draft.path_to(i)[:-1]]
-        pieces.append(piece_in_context(lm.tokenizer, context + ancestors, token))
-    return pieces
+    return pieces_in_context(lm.tokenizer, [(context + [draft.tokens[a] for a in draft.path_to(i)[:-1]], token)
+                                            for i, token in enumerate(draft.tokens)])
 
 
 def _params_dict(params: Any) -> dict[str, Any]:

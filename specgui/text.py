@@ -83,10 +83,12 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def piece_in_context(tokenizer: Any, context: Sequence[int], token: int) -> str:
-    """Text of one draft token as it would read after `context` (for showing drafts, accepted or not)."""
-    ctx = list(context[-3:])
+def pieces_in_context(tokenizer: Any, items: Sequence[tuple[Sequence[int], int]]) -> list[str]:
+    """Each (context, token)'s text: the token as it would read after the context (for showing drafts, accepted or
+    not). Decoded together where the tokenizer can (`batch_decode`: one call for a step's draft, not two a token)."""
     kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
-    head = tokenizer.decode(ctx, **kw)
-    full = tokenizer.decode([*ctx, int(token)], **kw)
-    return full[len(head) :] if full.startswith(head) else tokenizer.decode([int(token)], **kw)
+    texts = [ids for context, token in items for ids in (list(context[-3:]), [*context[-3:], int(token)])]
+    batch = getattr(tokenizer, "batch_decode", None)
+    decoded = batch(texts, **kw) if batch is not None else [tokenizer.decode(ids, **kw) for ids in texts]
+    return [full[len(head) :] if full.startswith(head) else tokenizer.decode([int(token)], **kw)
+            for (_, token), head, full in zip(items, decoded[::2], decoded[1::2], strict=True)]

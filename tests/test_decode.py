@@ -73,13 +73,13 @@ def test_the_pieces_text_is_presentation_not_counted(tiny_lm, monkeypatch):
         return [e for e in events if isinstance(e, Step)], events[-1].wall_s
 
     steps, wall = steps_and_wall()
-    quick_piece = decode.piece_in_context
+    quick_pieces = decode.pieces_in_context
 
-    def piece(*args):  # a slow detokenizer: every draft token's text takes 50 ms to build
-        time.sleep(0.05)
-        return quick_piece(*args)
+    def pieces(tokenizer, items):  # a slow detokenizer: every draft token's text takes 50 ms to build
+        time.sleep(0.05 * len(items))
+        return quick_pieces(tokenizer, items)
 
-    monkeypatch.setattr(decode, "piece_in_context", piece)
+    monkeypatch.setattr(decode, "pieces_in_context", pieces)
     slow_steps, slow_wall = steps_and_wall()
     drafted = sum(s.drafted for s in slow_steps)
     assert [s.draft_tokens for s in slow_steps] == [s.draft_tokens for s in steps] and drafted >= 10

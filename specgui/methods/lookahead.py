@@ -39,7 +39,7 @@ import numpy as np
 
 from specgui.draft import Draft, Extras, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.ngram_cache import CandidateTrie, NgramCache, hit, within
+from specgui.methods.ngram_cache import Candidates, CandidateTrie, NgramCache, hit
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 
@@ -108,12 +108,12 @@ class Lookahead(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         depth = state.max_depth
         trie = CandidateTrie(self.params.guesses * (self.params.ngram - 1) if depth > 0 else 0)
-        candidates = []
+        candidates = Candidates()
         if self.params.guesses:
             for key, gram in self.pool.lookup([state.pending], 1):
                 nodes = trie.add(gram[:depth])
                 if nodes is not None:
-                    candidates.append({"nodes": nodes, "source": "pool", "key": list(key)})
+                    candidates.add(nodes, "pool", key)
                 if len(candidates) == self.params.guesses or trie.full:
                     break
         fed = [[state.pending, *self.levels[0]], *self.levels[1:]] if depth > 0 else None
@@ -128,10 +128,9 @@ class Lookahead(Drafter):
         size = sizing.size  # 0 when the pool offered nothing
         self.found = len(trie.tokens)
         self.drafted, self.exhausted = size, size == len(trie.tokens)  # a larger size would verify the same
-        self.candidates = within(candidates, size)
         extras = self._extras(state.committed, size) if self.fed else None
-        info = {"window": self.fed or [], "warmup": not self.filled, "candidates": self.candidates,
-                "plan": sizing.to_dict()}
+        info = {"window": self.fed or [], "warmup": not self.filled, "plan": sizing.to_dict()}
+        self.shown = candidates, info  # the candidates' records join the step's info after the launch
         return Draft(tokens=trie.tokens[:size], parents=trie.parents[:size], extras=extras, info=info)
 
     def _extras(self, committed: int, nodes: int) -> Extras:
@@ -178,7 +177,10 @@ class Lookahead(Drafter):
         verdict's, the one after with them; the window's columns it learns at once: a step late, they cost its
         drafts 2.5% of their accepted tokens, held-out prompts, fixed sizes, CPU); and the next draft's sizes are
         priced (`DraftPolicy.price_ahead`), as many as this one's pool offered, at the window's rows, which stay as
-        they are once it is filled."""
+        they are once it is filled. And the launched draft's candidates as records (its event shows them, `observe`
+        finds the accepted one among them)."""
+        candidates, info = self.shown
+        self.candidates = info["candidates"] = candidates.within(self.drafted)
         if self.params.pool_from_prompt:
             self._index_text(state.tokens)
         window = sum(len(level) for level in self.levels)

@@ -162,10 +162,7 @@ class CandidateTrie:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.budget
+        self.full = budget <= 0  # (kept as nodes are added: retrieval asks after every candidate)
 
     def add(self, gram: tuple[int, ...]) -> list[int] | None:
         """Insert a candidate; return its nodes, or None when it adds no new node (a duplicate, or no room)."""
@@ -180,17 +177,32 @@ class CandidateTrie:
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.children[(node, token)] = child
-                grew = True
+                self.full, grew = child + 1 >= self.budget, True
             nodes.append(child)
             node = child
         return nodes if grew else None
 
 
-def within(candidates: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
-    """The candidates as far as their nodes are among the trie's first `n` (a verify of only those): a parent
-    comes before its child, so what stays of each is a prefix; candidates with nothing left drop out."""
-    cut = [{**c, "nodes": [node for node in c["nodes"] if node < n]} for c in candidates]
-    return [c for c in cut if c["nodes"]]
+class Candidates:
+    """The candidates a draft's trie took, as retrieval found them: (trie nodes, source, key), recorded as tuples
+    while the draft is made (the launch, and on a GPU the device, waits for it) and shown as records after the launch
+    (`within`)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[list[int], str, tuple[int, ...]]] = []
+
+    def __len__(self) -> int:
+        return len(self.found)
+
+    def add(self, nodes: list[int], source: str, key: tuple[int, ...]) -> None:
+        self.found.append((nodes, source, key))
+
+    def within(self, n: int) -> list[dict[str, Any]]:
+        """The candidates as far as their nodes are among the trie's first `n` (a verify of only those), as records
+        {nodes, source, key}: a parent comes before its child, so what stays of each is a prefix; candidates with
+        nothing left drop out."""
+        cut = [([node for node in nodes if node < n], source, key) for nodes, source, key in self.found]
+        return [{"nodes": nodes, "source": source, "key": list(key)} for nodes, source, key in cut if nodes]
 
 
 def hit(candidates: list[dict[str, Any]], path: list[int]) -> dict[str, int]:

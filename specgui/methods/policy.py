@@ -138,6 +138,7 @@ class DraftPolicy:
         self.planned: tuple[Plan, bool] | None = None  # the step's plan as `take` gave it: what `learn` folds it in as
         self.prices: tuple[object, dict[int, float]] | None = None  # priced ahead (`price_ahead`): shape, size -> ms
         self.tokens = self.cost = 0.0  # drafting as a whole: decayed tokens, and price in plain steps (`settle`)
+        self.priors: tuple[float, dict[int, float]] = (-1.0, {})  # (alpha, each size's `_geometric` at it)
         self.settled = 0  # steps settled since the last pause
         self.rest = 1  # length of the next pause `settle` calls (doubling while drafting keeps losing)
 
@@ -153,18 +154,25 @@ class DraftPolicy:
         hope. The prior's weight fades as the size's own verdicts weigh more (`PRIOR_FADE`): what they show
         prices it, not the hope it started from. With `upto`, the sizes up to it only (a size's value needs only the
         sizes below): what a step that offers no more prices."""
-        sums, weights = self.sums[self.regime], self.weights[self.regime]
+        sums, weights, geometric = self.sums[self.regime], self.weights[self.regime], self._geometric()
         out: dict[int, float] = {}
         last_n, last_e, slope = 0, 0.0, 1.0
         for n in self.sizes:
             if upto is not None and n > upto:
                 break
-            prior = min(_geometric(n, self.alpha), last_e + (n - last_n) * slope)
+            prior = min(geometric[n], last_e + (n - last_n) * slope)
             hope = PRIOR_WEIGHT * PRIOR_FADE ** weights[n]
             e = (sums[n] + hope * prior) / (weights[n] + hope)
             slope = max(0.0, (e - last_e) / (n - last_n))
             out[n], last_n, last_e = e, n, e
         return out
+
+    def _geometric(self) -> dict[int, float]:
+        """Each size's geometric prior at the policy's `alpha` (`_geometric`), made once an alpha: a policy prices its
+        sizes after the verdict before a step's draft, where a GPU waits for the host."""
+        if self.priors[0] != self.alpha:
+            self.priors = self.alpha, {n: _geometric(n, self.alpha) for n in self.sizes}
+        return self.priors[1]
 
     def whole(self) -> dict[int, float]:
         """P(a draft of n is accepted whole) for every size: the curve's last step, E[n] - E[n-1] (acceptance
@@ -252,7 +260,8 @@ class DraftPolicy:
         if gains[best] >= 1 + MARGIN or self.max_pause == 0:
             self.pause, self.probe = 1, False
             return plan(best, "draft", gains[best], gains[best], curve[best])
-        prior = max((1 + _geometric(n, self.alpha)) * plain_ms / costs[n] for n in sizes)
+        geometric = self._geometric()
+        prior = max((1 + geometric[n]) * plain_ms / costs[n] for n in sizes)
         # a draft accepted as well as the prior hopes would not even break even: no probe. (Against the margin
         # instead, Fractal on a CPU, its prior 1.017x and its drafts then accepted 99-100%, never probed.)
         if prior < 1:

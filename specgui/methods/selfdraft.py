@@ -40,7 +40,7 @@ import torch
 from specgui.costs import time_ms
 from specgui.draft import Draft, Extras, Outcome
 from specgui.methods.base import DecodeState, Drafter, register
-from specgui.methods.ngram_cache import CandidateTrie, NgramCache, corpus_for, hit, within
+from specgui.methods.ngram_cache import Candidates, CandidateTrie, NgramCache, corpus_for, hit
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 
@@ -116,7 +116,7 @@ class SelfDraft(Drafter):
         self.fed: dict[int, list[int]] = {}  # branch index -> its tokens as fed to the last forward
         self.harvest: list[list[int]] = []  # the branches' n-grams of the last verdict, for `after_launch`
         self.turn = 0  # the branch first in line for the next forward
-        self.candidates: list[dict[str, Any]] = []
+        self.candidates: list[dict[str, Any]] = []  # the launched draft's, as records (`Candidates.within`)
         self.policy = self.sizing(state, range(1, p.budget + 1))
         self.verified, self.exhausted, self.found = 0, False, 0
         self.rooms: _Rooms | None = None  # the next draft's, made ahead (`after_launch`)
@@ -142,12 +142,11 @@ class SelfDraft(Drafter):
                                     state.plain_ms(), found, shape=total) if found else None
         n = sizing.size if sizing else 0
         self.verified, self.exhausted = n, n == found
-        self.candidates = within(candidates, n)
         self.fed = self._choose_branches(room(n)) if depth > 0 else {}
-        info: dict[str, Any] = {"branches": list(self.fed.values()), "candidates": self.candidates,
-                                "warmup": any(len(b) < self.params.branch_len for b in self.branches)}
+        info: dict[str, Any] = {"branches": list(self.fed.values())}
         if sizing is not None:
             info["plan"] = sizing.to_dict()
+        self.shown = candidates, info  # the candidates' records join the step's info after the launch, and warm-up's
         extras = self._extras(state.committed, n) if self.fed else None
         return Draft(tokens=trie.tokens[:n], parents=trie.parents[:n], extras=extras, info=info,
                      cost_ms=self.retrieve_ms)
@@ -187,13 +186,12 @@ class SelfDraft(Drafter):
                 self.turn = (i + 1) % count
         return dict(sorted(fed.items()))
 
-    def _retrieve(self, text: list[int], depth: int) -> tuple[CandidateTrie, list[dict[str, Any]]]:
+    def _retrieve(self, text: list[int], depth: int) -> tuple[CandidateTrie, Candidates]:
         """Context candidates first, then corpus ones, longest key first, until the trie is full."""
         budget = self.params.budget if depth > 0 else 0
         if self.params.max_forward:
             budget = max(0, min(budget, self.params.max_forward - 1))
-        trie = CandidateTrie(budget)
-        candidates: list[dict[str, Any]] = []
+        trie, candidates = CandidateTrie(budget), Candidates()
         sources = [("context", self.context if self.params.use_context else None), ("corpus", self.corpus)]
         for source, cache in sources:
             if cache is None:
@@ -203,7 +201,7 @@ class SelfDraft(Drafter):
                     return trie, candidates
                 nodes = trie.add(gram[:depth])
                 if nodes is not None:
-                    candidates.append({"nodes": nodes, "source": source, "key": list(key)})
+                    candidates.add(nodes, source, key)
         return trie, candidates
 
     def _extras(self, committed: int, nodes: int) -> Extras:
@@ -249,10 +247,14 @@ class SelfDraft(Drafter):
             del branch[: max(0, len(branch) - self.params.branch_len)]
 
     def after_launch(self, state: DecodeState) -> None:
-        """Beside the next forward: the context cache learns the last verdict's n-grams (the branches' and the text's:
-        the next draft retrieves without them, the one after with them); and the next draft's sizes are priced
-        (`DraftPolicy.price_ahead`), as many as this one's retrieval found, with the branch tokens that may ride
-        beside each (`_room`), which stay as they are once the branches are grown."""
+        """Beside the next forward: the launched draft's candidates as records (its event shows them, `observe` finds
+        the accepted one among them); the context cache learns the last verdict's n-grams (the branches' and the
+        text's: the next draft retrieves without them, the one after with them); and the next draft's sizes are
+        priced (`DraftPolicy.price_ahead`), as many as this one's retrieval found, with the branch tokens that may
+        ride beside each (`_room`), which stay as they are once the branches are grown."""
+        candidates, info = self.shown
+        self.candidates = info["candidates"] = candidates.within(self.verified)
+        info["warmup"] = any(len(b) < self.params.branch_len for b in self.branches)  # (as drafted: grown at observe)
         self.rooms = room = self._room(state)
         self.policy.price_ahead(room.total, lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n)), self.found)
         for gram in self.harvest:
