@@ -86,6 +86,8 @@ class Detokenizer:
 def pieces_in_context(tokenizer: Any, items: Sequence[tuple[Sequence[int], int]]) -> list[str]:
     """Each (context, token)'s text: the token as it would read after the context (for showing drafts, accepted or
     not). Decoded together where the tokenizer can (`batch_decode`: one call for a step's draft, not two a token)."""
+    if not items:  # (a tokenizer's batch of nothing need not be empty)
+        return []
     kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
     texts = [ids for context, token in items for ids in (list(context[-3:]), [*context[-3:], int(token)])]
     batch = getattr(tokenizer, "batch_decode", None)

@@ -8,6 +8,7 @@ from helpers import tiny_model
 from specgui import decode
 from specgui.errors import SpecGUIError
 from specgui.events import Prefill, Start, Step, Summary
+from specgui.text import pieces_in_context
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]
 
@@ -106,3 +107,16 @@ def test_bad_requests_raise_one_line_errors(tiny_lm, kwargs, message):
 def test_empty_prompt_is_refused(tiny_lm):
     with pytest.raises(SpecGUIError, match="empty"):
         list(decode.generate(tiny_lm, [], "baseline"))
+
+
+def test_draft_pieces_read_as_the_text_would_with_a_real_tokenizer(embedded_lm):
+    """`text.pieces_in_context` decodes a step's draft in one batch where the tokenizer can (SmolLM2's byte-level BPE):
+    each piece is what decoding the text with the token adds, a step without a draft has none, and a token that ends
+    mid-character reads as the tokenizer shows it alone."""
+    tokenizer = embedded_lm.tokenizer
+    context, draft = tokenizer.encode("def fib(n):\n    if n < 2:"), tokenizer.encode(" return n\n")
+    pieces = pieces_in_context(tokenizer, [(context + draft[:i], token) for i, token in enumerate(draft)])
+    assert "".join(pieces) == " return n\n" and len(pieces) == len(draft)
+    assert pieces_in_context(tokenizer, []) == []
+    split = tokenizer.encode("😀")
+    assert pieces_in_context(tokenizer, [(context, split[0])]) == [tokenizer.decode(split[:1])]
