@@ -290,7 +290,7 @@ class LayerSkipDrafter(Drafter):
         if drafting and state.unread:  # the tokens are read with the verdict; `observe` completes the payload
             self.drafted_with = threshold = self.threshold
             observer = self.observer()
-            at_launch = self.chains and self.vocab is None and observer is None and not state.riders
+            at_launch = self._at_launch(state) and observer is None
             draft = self.unread_proposal(
                 UnreadChain(sizing.size, max(2, self.alternatives + 1), threshold, True) if at_launch
                 else draft_unread(state, self.plan, sizing.size, threshold, self.alternatives, self.vocab))
@@ -330,10 +330,15 @@ class LayerSkipDrafter(Drafter):
         next step's chain, made on the device from what this step leaves there."""
         promise = super().ahead(state)
         planned = self.policy.next
-        if promise is not None or planned is None or not (self.chains and self.vocab is None and state.unread):
+        if promise is not None or planned is None or not self._at_launch(state):
             return promise
-        ready = planned[0].size > 0 and not state.riders and self.ready_ahead()
+        ready = planned[0].size > 0 and self.ready_ahead()
         return Draft(device_draft=SkipChain(self.plan, planned[0].size, self.threshold)) if ready else None
+
+    def _at_launch(self, state: DecodeState) -> bool:
+        """Whether this run's chains may be drafted on the device at the launch (`SkipChain`, where no observer
+        watches the step's verify): on the device's path, with the whole vocabulary's head, nothing riding along."""
+        return self.chains and self.vocab is None and state.unread and not state.riders
 
     def ready_ahead(self) -> bool:
         """Whether the next step drafts with the plan standing now, nothing to prepare before its draft and no
