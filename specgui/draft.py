@@ -9,6 +9,7 @@ so one forward checks the whole tree and also carries work the drafter wants don
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,10 +171,7 @@ class Draft:
 
     def depths(self) -> list[int]:
         """Depth of each node below the pending token (a root child has depth 1)."""
-        depth: list[int] = []
-        for p in self.parents:
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return depth
+        return list(_tree(tuple(self.parents))[1])
 
     def children(self) -> dict[int, list[int]]:
         """Node -> children in preference order; key -1 is the pending token."""
@@ -185,16 +183,8 @@ class Draft:
 
     def visibility(self) -> np.ndarray:
         """[1 + N, 1 + N] tree attention: each token sees the pending token, its ancestors and itself (host work, in
-        numpy: the fast path uploads it with the pass's inputs, `Runner.forward`)."""
-        n = len(self)
-        visible = np.zeros((n + 1, n + 1), dtype=bool)
-        visible[:, 0] = True
-        for i, p in enumerate(self.parents):
-            row = i + 1
-            if p >= 0:
-                visible[row] = visible[p + 1]
-            visible[row, row] = True
-        return visible
+        numpy: the fast path uploads it with the pass's inputs, `Runner.forward`). Read-only: made once a shape."""
+        return _tree(tuple(self.parents))[0]
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root down to `node`, inclusive."""
@@ -203,6 +193,25 @@ class Draft:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _tree(parents: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """A tree's visibility (read-only) and its nodes' depths, made once a shape: a tree drafter's trie keeps its shape
+    from one step to the next more often than not (Self-Draft on a held-out prompt: 11 shapes in 27 steps), and built
+    node by node they are host work before the step's launch, which a GPU waits for."""
+    n = len(parents)
+    visible = np.zeros((n + 1, n + 1), dtype=bool)
+    visible[:, 0] = True
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        row = i + 1
+        if p >= 0:
+            visible[row] = visible[p + 1]
+        visible[row, row] = True
+        depths.append(1 if p < 0 else depths[p] + 1)
+    visible.flags.writeable = False
+    return visible, tuple(depths)
 
 
 @dataclass
