@@ -154,7 +154,7 @@ class DraftPolicy:
         hope. The prior's weight fades as the size's own verdicts weigh more (`PRIOR_FADE`): what they show
         prices it, not the hope it started from. With `upto`, the sizes up to it only (a size's value needs only the
         sizes below): what a step that offers no more prices."""
-        sums, weights, geometric = self.sums[self.regime], self.weights[self.regime], self._geometric()
+        sums, weights, geometric = self.sums[self.regime], self.weights[self.regime], self._priors()
         out: dict[int, float] = {}
         last_n, last_e, slope = 0, 0.0, 1.0
         for n in self.sizes:
@@ -167,7 +167,7 @@ class DraftPolicy:
             out[n], last_n, last_e = e, n, e
         return out
 
-    def _geometric(self) -> dict[int, float]:
+    def _priors(self) -> dict[int, float]:
         """Each size's geometric prior at the policy's `alpha` (`_geometric`), made once an alpha: a policy prices its
         sizes after the verdict before a step's draft, where a GPU waits for the host."""
         if self.priors[0] != self.alpha:
@@ -260,7 +260,7 @@ class DraftPolicy:
         if gains[best] >= 1 + MARGIN or self.max_pause == 0:
             self.pause, self.probe = 1, False
             return plan(best, "draft", gains[best], gains[best], curve[best])
-        geometric = self._geometric()
+        geometric = self._priors()
         prior = max((1 + geometric[n]) * plain_ms / costs[n] for n in sizes)
         # a draft accepted as well as the prior hopes would not even break even: no probe. (Against the margin
         # instead, Fractal on a CPU, its prior 1.017x and its drafts then accepted 99-100%, never probed.)
