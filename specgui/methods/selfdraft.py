@@ -118,7 +118,7 @@ class SelfDraft(Drafter):
         self.turn = 0  # the branch first in line for the next forward
         self.candidates: list[dict[str, Any]] = []  # the launched draft's, as records (`Candidates.within`)
         self.policy = self.sizing(state, range(1, p.budget + 1))
-        self.verified, self.exhausted, self.found = 0, False, 0
+        self.verified, self.exhausted = 0, False
         self.rooms: _Rooms | None = None  # the next draft's, made ahead (`after_launch`)
 
     def _retrieve_ms(self) -> float:
@@ -134,22 +134,29 @@ class SelfDraft(Drafter):
     def draft(self, state: DecodeState) -> Draft:
         depth = state.max_depth
         trie, candidates = self._retrieve(state.tokens, min(depth, self.params.gram))
-        found = self.found = len(trie.tokens)
+        found = len(trie.tokens)
         total = sum(len(b) for b in self.branches)
         room = self.rooms if self.rooms is not None and self.rooms.total == total else self._room(state)
         self.rooms = None
-        sizing = self.policy.choose(lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n)),
-                                    state.plain_ms(), found, shape=total) if found else None
+        # (on the device's path the plan was chosen ahead, `after_launch`, and is cut to what retrieval found; else
+        # chosen now, where something was found)
+        sizing = (self.policy.sized(state.unread, functools.partial(self._pricing, state, room), found)
+                  if found or state.unread else None)
         n = sizing.size if sizing else 0
         self.verified, self.exhausted = n, n == found
         self.fed = self._choose_branches(room(n)) if depth > 0 else {}
         info: dict[str, Any] = {"branches": list(self.fed.values())}
-        if sizing is not None:
+        if sizing is not None and found:
             info["plan"] = sizing.to_dict()
         self.shown = candidates, info  # the candidates' records join the step's info after the launch, and warm-up's
         extras = self._extras(state.committed, n) if self.fed else None
         return Draft(tokens=trie.tokens[:n], parents=trie.parents[:n], extras=extras, info=info,
                      cost_ms=self.retrieve_ms)
+
+    def _pricing(self, state: DecodeState, room: _Rooms) -> tuple[Callable[[int], float], float]:
+        """The policy's prices (`policy.Pricing`): a step verifying n candidate nodes with the branch tokens that ride
+        beside them, and plain decoding's step."""
+        return (lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n))), state.plain_ms()
 
     def _room(self, state: DecodeState) -> _Rooms:
         """This step's branch tokens that may ride beside n candidate nodes, as a function of n: all of them under
@@ -188,10 +195,7 @@ class SelfDraft(Drafter):
 
     def _retrieve(self, text: list[int], depth: int) -> tuple[CandidateTrie, Candidates]:
         """Context candidates first, then corpus ones, longest key first, until the trie is full."""
-        budget = self.params.budget if depth > 0 else 0
-        if self.params.max_forward:
-            budget = max(0, min(budget, self.params.max_forward - 1))
-        trie, candidates = CandidateTrie(budget), Candidates()
+        trie, candidates = CandidateTrie(self._budget(depth)), Candidates()
         sources = [("context", self.context if self.params.use_context else None), ("corpus", self.corpus)]
         for source, cache in sources:
             if cache is None:
@@ -203,6 +207,11 @@ class SelfDraft(Drafter):
                 if nodes is not None:
                     candidates.add(nodes, source, key)
         return trie, candidates
+
+    def _budget(self, depth: int) -> int:
+        """The most candidate nodes a draft verifies at `depth` tokens of room."""
+        budget = self.params.budget if depth > 0 else 0
+        return max(0, min(budget, self.params.max_forward - 1)) if self.params.max_forward else budget
 
     def _extras(self, committed: int, nodes: int) -> Extras:
         """The branches as ride-along tokens: branch j's i-th token sits at position committed + 1 + i and
@@ -250,13 +259,15 @@ class SelfDraft(Drafter):
         """Beside the next forward: the launched draft's candidates as records (its event shows them, `observe` finds
         the accepted one among them); the context cache learns the last verdict's n-grams (the branches' and the
         text's: the next draft retrieves without them, the one after with them); and the next draft's sizes are
-        priced (`DraftPolicy.price_ahead`), as many as this one's retrieval found, with the branch tokens that may
-        ride beside each (`_room`), which stay as they are once the branches are grown."""
+        chosen on the device's path (`DraftPolicy.plan_ahead`, from the verdicts before this step's, up to the
+        trie's budget: the draft cuts it to what its retrieval finds), priced with the branch tokens that may ride
+        beside each size (`_room`), which stay as they are once the branches are grown."""
         candidates, info = self.shown
         self.candidates = info["candidates"] = candidates.within(self.verified)
         info["warmup"] = any(len(b) < self.params.branch_len for b in self.branches)  # (as drafted: grown at observe)
         self.rooms = room = self._room(state)
-        self.policy.price_ahead(room.total, lambda n: state.step_ms(self.retrieve_ms, 1 + n + room(n)), self.found)
+        if state.unread:  # (the next step has the depth this one leaves after its own token, at most)
+            self.policy.plan_ahead(*self._pricing(state, room), self._budget(state.max_depth - 1))
         for gram in self.harvest:
             self.context.add_gram(gram)
         self.harvest = []
