@@ -103,6 +103,17 @@ class FractalParams(SizedParams):
                              "lowest this many plus the prompt's and the output's (0: the whole vocabulary)")
 
 
+@functools.lru_cache(maxsize=64)
+def slot_visibility(window: int, chain: int) -> np.ndarray:
+    """Which rows `window` slots after [pending, `chain` tokens] see among the forward's: every exact row, and the
+    slots up to their own. Read-only and made once a shape: between a verdict's read and the next launch, where a GPU
+    waits for the host."""
+    visibility = np.ones((window, 1 + chain + window), dtype=bool)
+    visibility[:, 1 + chain :] = np.tri(window, dtype=bool)
+    visibility.flags.writeable = False
+    return visibility
+
+
 def fractal_positions(num_layers: int, params: FractalParams) -> list[int]:
     """The fractal layers: explicit indices, or n layers from `first` at a uniform gap (from earlier where n layers
     would not fit after `first`: a preset's depth holds for models of any depth)."""
@@ -409,6 +420,7 @@ class Fractal(Drafter):
         self.policy = self.sizing(state, range(1, self.plan.window + 1))
         self.vocab = DraftVocab.of(self.runner, self.params.draft_vocab, state.tokens)
         self.index = NgramIndex(1, 4)
+        self.index.update(state.tokens)  # the prompt; the output as it comes, beside the forwards (`after_launch`)
 
     def draft(self, state: DecodeState) -> Draft:
         """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
@@ -476,7 +488,10 @@ class Fractal(Drafter):
         forward (`DraftPolicy.plan_ahead`, as the layer-skip methods do), up to the window and the budget left after
         this step's token; the next draft cuts it to what it can offer (a carried chain may be shorter). So are a
         restart's draft forward and the compressed passes of every verify the next draft may send priced here, at this
-        step's context (`_Priced`), not between the verdict's read and the next launch."""
+        step's context (`_Priced`), not between the verdict's read and the next launch. On every path the n-gram index
+        of the slots' starting tokens learns the text so far here (`_held`: the next draft finds the last verdict's
+        n-grams a step late)."""
+        self.index.update(state.tokens)
         if state.unread:
             w = self.plan.window
             slots = range(1 + w, 3 + 2 * w) if self.params.carry else ()  # (a verify carries slots only carrying)
@@ -583,17 +598,15 @@ class Fractal(Drafter):
         self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n, state=state,
                                vocab=self.vocab, held=held)
         self.splices.append(self.carrying)
-        visibility = np.ones((w, 1 + n + w), dtype=bool)
-        visibility[:, 1 + n :] = np.tri(w, dtype=bool)
-        return Extras(tokens=held, positions=list(range(c + n + 1, c + n + 1 + w)), visibility=visibility,
+        return Extras(tokens=held, positions=list(range(c + n + 1, c + n + 1 + w)), visibility=slot_visibility(w, n),
                       pre_layer=self.carrying)
 
     def _held(self, state: DecodeState, chain: list[int]) -> list[int]:
         """The tokens the next slots start from, after the anchor that ends the text + `chain`: what followed the
         longest n-gram ending there where it occurred before in the text (as `pld` looks up), the anchor's copies for
-        the rest (the paper's start)."""
+        the rest (the paper's start). The index holds the prompt from the start and the output up to the step before
+        (it learns beside the forward, `after_launch`)."""
         text = state.tokens + chain
-        self.index.update(state.tokens)
         found, _ = self.index.lookup(text, self.plan.window)
         return found + [text[-1]] * (self.plan.window - len(found))
 
