@@ -67,10 +67,11 @@ class StaticKVCache(KVCache):
         """Where a forward of `rows` tokens reads and writes, every layer at once: (prefix, offset) [L] (`Layout`'s,
         its columns the cache's): each layer's keys so far are seen, the new ones go right after them. As arrays, not
         a `Layout` a layer: a pass's 30 of them cost more host time than the rest of its launch (a GPU waits for it)."""
-        n = np.asarray(self.lengths, dtype=np.int64)
-        if int(n.max()) + rows > self.capacity:
-            raise SpecGUIError(f"a forward of {rows} tokens at {int(n.max())} does not fit the fast path's capacity "
+        longest = max(self.lengths)  # (Python's: numpy's reduction costs the host ten times more, cold after a forward)
+        if longest + rows > self.capacity:
+            raise SpecGUIError(f"a forward of {rows} tokens at {longest} does not fit the fast path's capacity "
                                f"of {self.capacity} positions; use --fast-path off")
+        n = np.asarray(self.lengths, dtype=np.int64)
         return n, n
 
     def view(self, length: int, scratch: bool = False) -> StaticView:
