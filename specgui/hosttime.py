@@ -9,7 +9,9 @@ each program, which is what the device waits for. So it is timed, on whatever de
   step's (the consumer's time between events is not the loop's), less the time inside its programs
   (`fastpath.Program.__call__`: on a CPU the call, on a GPU the replay's time on the device, from CUDA events).
 - `critical_ms`: the part of it a GPU waits for: from the moment the verdict before was readable on the host (the
-  loop's `verify` returned) to the launch of the next forward pass's first program. A loop that launches step t+1
+  loop's `verify` returned) to the launch of the next forward pass's first program, less the programs run between
+  (on a CPU their calls: a tree's keeper, which moves the accepted keys, is device work a GPU runs while the host goes
+  on; on a GPU only their launches are in the gap). A loop that launches step t+1
   before it finishes step t's host work leaves less of it; a step chained on the device (`fastpath.PlainSteps`,
   `fastpath.LookupSteps`: what it needs left there by the step before, launched before that step's read) waits for no
   read, and leaves none.
@@ -61,6 +63,7 @@ class _Recorder:
     running: float | None = None  # when the generator last resumed; None while the consumer has the event
     read_at: float | None = None  # when the last verdict became readable, until the next launch
     gap_s: float = 0.0  # generator time from that read to now, while no launch followed it
+    gap_programs_s: float = 0.0  # of which inside programs that launched no pass (a CPU's calls: device time)
     critical_s: float = 0.0  # this step's: the gap its first launch closed
     pass_open: bool = False  # a forward pass has started and not yet launched a program
     pending: list[tuple[float, list[Any], float]] = field(default_factory=list)  # steps whose CUDA times are unread
@@ -81,11 +84,11 @@ class _Recorder:
         self.programs, self.critical_s, self.running = [], 0.0, None
 
     def read(self) -> None:
-        self.read_at, self.gap_s = time.perf_counter(), 0.0
+        self.read_at, self.gap_s, self.gap_programs_s = time.perf_counter(), 0.0, 0.0
 
     def launch(self, now: float) -> None:
         if self.read_at is not None:
-            self.critical_s = self.gap_s + self._waited(now)
+            self.critical_s = self.gap_s + self._waited(now) - self.gap_programs_s
             self.read_at = None
 
     def finish(self) -> list[StepHost]:
@@ -122,6 +125,8 @@ def _recording(cuda: bool) -> Iterator[_Recorder]:
             end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
             if cuda:
                 end.record()
+            elif rec.read_at is not None:  # a program before the next pass's launch (a tree's keeper): its run is
+                rec.gap_programs_s += end - start  # the device's, which on a GPU runs while the host goes on
             rec.programs.append((start, end))
 
     def opened(runner: Runner, *args: Any, **kwargs: Any) -> Any:

@@ -119,6 +119,32 @@ def test_time_inside_a_program_is_not_host_time(tiny_lm, monkeypatch, pipeline):
     assert not pipeline or steps[-1].program_ms == 0 < steps[-1].host_ms < SLEEP_S * 1000
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_program_between_the_read_and_the_next_launch_is_not_waited_for(tiny_lm, monkeypatch, pipeline):
+    """A program run after the read that launches no pass (a tree's keeper, moving the accepted keys) is the device's
+    work: on a GPU it runs while the host goes on to the next launch. On a CPU its call is not in the gap."""
+    call, keep = fastpath.Program.__call__, fastpath.StaticKVCache.keep
+
+    class Moves:  # stands for such a program: its run sleeps
+        pass
+
+    def run_or_sleep(program):
+        if isinstance(program, Moves):
+            time.sleep(SLEEP_S)
+            return None
+        return call(program)
+
+    def slow_keep(self, start, offsets):
+        fastpath.Program.__call__(Moves())
+        return keep(self, start, offsets)
+
+    monkeypatch.setattr(fastpath.Program, "__call__", run_or_sleep)
+    monkeypatch.setattr(fastpath.StaticKVCache, "keep", slow_keep)
+    _, steps = run(tiny_lm, pipeline=pipeline)
+    assert sum(step.program_ms for step in steps) >= (len(steps) - 1) * SLEEP_S * 1000  # every step's read keeps
+    assert all(step.critical_ms < SLEEP_S * 1000 for step in steps)
+
+
 @pytest.mark.parametrize("fast_path, timed", [("on", True), ("off", False)])
 def test_bench_reports_medians_a_step_on_the_fast_path(tiny_lm, fast_path, timed):
     from specgui.prompts import PromptRow
