@@ -7,7 +7,7 @@ import pytest
 from helpers import baseline_run, tiny_model
 from specgui import decode, methods
 from specgui.costs import CostProfile
-from specgui.methods.policy import EVIDENCE, MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy
+from specgui.methods.policy import EVIDENCE, MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy, Plan
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -34,6 +34,11 @@ def profile(forward: list[float], *, layers: int = 4, unit: float = 1.0, step_ex
 def measured_nothing(*profiles: CostProfile) -> bool:
     """Every mechanism the runs priced came from the hand-made profile, none from a timing taken meanwhile."""
     return all(p.mechanisms == MECHANISMS for p in profiles)
+
+
+def test_a_plan_cut_to_a_smaller_size_keeps_everything_else():
+    plan = Plan(5, "paused", 0.9, 1.3, 2.5, prior=0.95, alpha=0.6, regime=2)
+    assert plan.cut(3) == dataclasses.replace(plan, size=3)
 
 
 def test_a_verdict_teaches_every_size_up_to_what_it_verified():
