@@ -151,8 +151,9 @@ class Splice:
 
     def __init__(self, plan: Plan, cache: KVCache, committed: int, exact: int, anchor_position: int,
                  state: DecodeState | None = None, vocab: DraftVocab | None = None,
-                 held: list[int] | None = None) -> None:
+                 held: list[int] | None = None, programs: dict[int, SpliceProgram | None] | None = None) -> None:
         self.plan = plan
+        self.programs = {} if programs is None else programs  # `in_program`'s, made once an exact count (a drafter's)
         self.vocab = vocab  # the ids the compressed head guesses among (None: all)
         self.cache = cache  # the decode state's: the sub-passes read it through frozen views
         self.committed = committed
@@ -225,10 +226,11 @@ class Splice:
         state, plan = self.state, self.plan
         if state is None or not state.static or self.reuse or self.vocab is not None:
             return None
-        made = SpliceProgram.of(plan, self.cache, self.exact)
+        if self.exact not in self.programs:
+            self.programs[self.exact] = SpliceProgram.of(plan, self.cache, self.exact)
+        made = self.programs[self.exact]
         if made is not None:  # the forward runs it (a splice's rows are always within the buckets)
-            w = plan.window
-            self.riders = [state.ride(made.guesses[k * w : (k + 1) * w]) for k in range(len(plan.layers))]
+            self.riders = [state.ride(part) for part in made.parts]
         return made
 
     def _kept(self, guesses: torch.Tensor) -> int:
@@ -283,15 +285,19 @@ class SpliceProgram:
     plan: Plan
     exact: int
     guesses: torch.Tensor
+    parts: tuple[torch.Tensor, ...]  # `guesses` a fractal layer each, as the step's verdict read brings them
 
     @classmethod
     def of(cls, plan: Plan, cache: KVCache, exact: int) -> SpliceProgram | None:
         """The splice of forwards with `exact` rows over `cache` (the fast path's); None where its guesses do not
-        fit."""
+        fit. Made once an exact count a run (`Fractal.setup`): the views are device work between a verdict's read and
+        the next launch."""
         if not isinstance(cache, fastpath.StaticKVCache):
             return None
-        region = cache.readout.tail(len(plan.layers) * plan.window)
-        return None if region is None else cls(plan, exact, region)
+        w = plan.window
+        region = cache.readout.tail(len(plan.layers) * w)
+        return None if region is None else cls(plan, exact, region,
+                                                tuple(region[k * w : (k + 1) * w] for k in range(len(plan.layers))))
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -404,10 +410,11 @@ class Fractal(Drafter):
         self.pass_ms = [[state.profile.mechanism(f"fractal.pass.{backend}.rows{rows}.ctx{context}{vocab}",
                                                  lambda r=rows, c=context: self._pass_ms(state, r, c, priced))
                          if state.profile else 1.0 for rows in self.pass_rows] for context in self.pass_contexts]
+        self.programs: dict[int, SpliceProgram | None] = {}  # a splice's, by its forward's exact rows (`in_program`)
         if state.static and not self.params.draft_vocab:  # the spliced forwards' programs, made untimed: every
             # count of exact rows a forward can carry (a restart's one, up to a verify's pending token + w + 1)
-            made = [SpliceProgram.of(self.plan, state.cache, exact) for exact in range(1, w + 3)]
-            fastpath.warm_up(state.cache, hooks=[hook for hook in made if hook is not None])
+            self.programs.update({exact: SpliceProgram.of(self.plan, state.cache, exact) for exact in range(1, w + 3)})
+            fastpath.warm_up(state.cache, hooks=[hook for hook in self.programs.values() if hook is not None])
 
     def begin(self, state: DecodeState) -> None:
         self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
@@ -576,7 +583,7 @@ class Fractal(Drafter):
         riders = len(state.riders)
         held = self._held(state, [])
         splice = Splice(self.plan, state.cache, c, exact=1, anchor_position=c, state=state, vocab=self.vocab,
-                        held=held)
+                        held=held, programs=self.programs)
         tokens = np.array([state.pending, *held])
         top = self.runner.forward(tokens, np.arange(c, c + 1 + w), state.cache, pre_layer=splice, top=VERIFY_TOP)
         state.cache.crop(c)
@@ -596,7 +603,7 @@ class Fractal(Drafter):
         c, w, n = state.committed, self.plan.window, len(chain)
         held = self._held(state, chain)
         self.carrying = Splice(self.plan, state.cache, c, exact=1 + n, anchor_position=c + n, state=state,
-                               vocab=self.vocab, held=held)
+                               vocab=self.vocab, held=held, programs=self.programs)
         self.splices.append(self.carrying)
         return Extras(tokens=held, positions=list(range(c + n + 1, c + n + 1 + w)), visibility=slot_visibility(w, n),
                       pre_layer=self.carrying)
