@@ -213,7 +213,7 @@ class DraftPolicy:
 
     def price_ahead(self, shape: object, cost: Callable[[int], float], limit: int) -> None:
         """Price the sizes up to `limit` now for the next `choose` of a draft of the same `shape` (what a step's price
-        depends on besides its size: a window's rows, the branch tokens beside the candidates): beside this step's
+        depends on besides its size: Lookahead's window rows): beside this step's
         forward, where the device would otherwise wait for the pricing between the verdict's read and the next
         launch. The curve still decides then, after this step's verdict is learnt: the choice is `choose`'s, at prices
         of this step's context. A size the draft then offers beyond `limit`, or another shape, is priced at `choose`."""
