@@ -8,12 +8,14 @@ import contextlib
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
 from helpers import assert_greedy_identical, baseline_run, cuda, flat_profile, on_cuda, tiny_model
 from specgui import decode, fastpath, methods
 from specgui.errors import SpecGUIError
+from specgui.fastpath.inputs import BucketInputs
 from specgui.kvcache import KVCache
 from specgui.methods.skipdp import HiddenRecorder
 from specgui.runner import ATTN, SkipPlan
@@ -56,6 +58,29 @@ def test_masks_pad_rows_that_see_only_themselves():
     assert m[1, 1].nonzero().view(-1).tolist() == [0, 1, 8, 9]
     assert m[1, 3].nonzero().view(-1).tolist() == [0, 1, 11]
     assert not m[0, :, 7:].any() and not m[1, :, 2:8].any()  # nothing outside the prefix and the block
+
+
+def test_a_bucket_packed_over_earlier_passes_uploads_what_a_fresh_one_uploads(tiny_lm):
+    """A bucket's uploads are packed into staging buffers over what an earlier pass left there (`BucketInputs.load`):
+    after passes of other sizes, visibilities and ids, the upload and what its builder makes equal a fresh bucket's
+    from that pass alone."""
+    cache = fastpath.cache_for(tiny_lm.runner, 64)
+    n = len(cache.lengths)
+
+    def load(inputs, t, seed):
+        g = np.random.default_rng(seed)
+        visible = np.tril(g.random((t, t)) < 0.6) | np.eye(t, dtype=bool)
+        tokens = g.integers(-1, 40, t) if seed % 2 else None
+        inputs.load(object(), np.arange(10, 10 + t), g.integers(0, 9, n), g.integers(9, 20, n), visible, tokens)
+
+    with torch.inference_mode():
+        for sizes in ([7, 3], [2, 8, 5, 1], [8, 8, 4, 6, 2], [3, 3]):
+            inputs, fresh = cache.inputs_for(8), BucketInputs.empty(cache, 8)
+            for seed, t in enumerate(sizes):
+                load(inputs, t, seed)
+            load(fresh, sizes[-1], len(sizes) - 1)
+            for a, b in zip(*[(x.builder.input, x.positions, x.mask, x.live, x.index) for x in (inputs, fresh)]):
+                assert torch.equal(a, b)
 
 
 def test_read_only_views_write_scratch_and_see_what_a_dynamic_view_sees(tiny_lm):

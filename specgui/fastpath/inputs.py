@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from specgui.fastpath.program import Program, Programs
-from specgui.kvcache import to_device, upload
+from specgui.kvcache import Staging, to_device
 from specgui.runner import Runner
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
@@ -91,6 +91,8 @@ class BucketInputs:
     origin: torch.Tensor  # [1] the first row's position as loaded (a draft chain's rows count from it)
     owner: object = field(default=None, repr=False)
     builder: Program | None = field(default=None, repr=False)  # a bucket's: fills the tensors above from the upload
+    staging: Staging | None = field(default=None, repr=False)  # a bucket's: where its uploads are packed (`load`)
+    shown: list[int] = field(default_factory=list, repr=False)  # per staging buffer, the rows its last pass packed
 
     @classmethod
     def empty(cls, store: Store, rows: int) -> BucketInputs:
@@ -103,8 +105,10 @@ class BucketInputs:
                    torch.zeros(runner.num_layers, 1, 1, store.columns, 1, dtype=torch.bool, device=device),
                    torch.zeros(1, dtype=torch.long, device=device))
         if bucket(rows) == rows:  # a bucket's inputs live on; a larger forward's are made for its one pass
-            packed = torch.zeros(rows + 2 * runner.num_layers + rows * rows + rows, dtype=torch.long, device=device)
-            made.builder = Program(made._build, packed, store.programs, True, read=False)
+            initial = cls.layout(rows, runner.num_layers)
+            made.staging = Staging(initial, device)
+            made.shown = [0] * made.staging.SLOTS
+            made.builder = Program(made._build, torch.from_numpy(initial).to(device), store.programs, True, read=False)
         return made
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any,
@@ -129,24 +133,44 @@ class BucketInputs:
         if self.owner is owner:
             return
         t, rows, n = positions.shape[0], self.rows, prefix.shape[0]
-        packed = np.empty(rows + 2 * n + rows * rows + rows, dtype=np.int64)
-        packed[:t] = positions
-        packed[t:rows] = positions[-1]  # any real position: padded rows are never read
+        staging = self.staging  # (None beyond the buckets: packed afresh and built as it comes, for this one pass)
+        packed = self.layout(rows, n) if staging is None else staging.next()
         packed[rows : rows + n] = prefix
         packed[rows + n : rows + 2 * n] = offset
-        block = packed[rows + 2 * n : -rows].reshape(rows, rows)
-        block[:] = fixed_block(rows, causal=False)  # a padded row sees only itself
-        block[:t, :t] = visible
-        packed[-rows:] = -1
-        if tokens is not None:
-            packed[-rows:][:t] = tokens
-        builder = self.builder
-        if builder is None:  # beyond the buckets: built as it comes, for this one pass
+        if staging is None:
+            self._pack(packed, t, positions, visible, tokens, 0)
             self._build(to_device(torch.from_numpy(packed), self.positions.device))
-        else:
-            upload(builder.input, packed)
-            builder()
+        else:  # into the staging buffer over what it held: only what may differ is written
+            self.shown[staging.slot] = self._pack(packed, t, positions, visible, tokens, self.shown[staging.slot])
+            staging.send(self.builder.input)
+            self.builder()
         self.owner = owner
+
+    @staticmethod
+    def layout(rows: int, n: int) -> np.ndarray:
+        """An upload as it is before any pass packs it (`load`'s layout: [positions, prefixes, offsets, visible block,
+        ids]; a padded row seeing only itself, every id kept), for `n` layers."""
+        packed = np.zeros(rows + 2 * n + rows * rows + rows, dtype=np.int64)
+        packed[rows + 2 * n : -rows].reshape(rows, rows)[:] = fixed_block(rows, causal=False)
+        packed[-rows:] = -1
+        return packed
+
+    def _pack(self, packed: np.ndarray, t: int, positions: np.ndarray, visible: np.ndarray, tokens: np.ndarray | None,
+              shown: int) -> int:
+        """A pass's positions, visible block and ids into `packed`, which holds an earlier pass's of `shown` rows
+        (their block and ids, past the padding's, put back first). Returns the rows packed now."""
+        rows = self.rows
+        packed[:t] = positions
+        packed[t:rows] = positions[-1]  # any real position: padded rows are never read
+        block = packed[-rows - rows * rows : -rows].reshape(rows, rows)
+        if shown > t:
+            block[:shown, :shown] = fixed_block(shown, causal=False)
+        block[:t, :t] = visible
+        ids = packed[-rows:]
+        ids[: max(shown, t)] = -1
+        if tokens is not None:
+            ids[:t] = tokens
+        return t
 
     def _build(self, data: torch.Tensor) -> torch.Tensor:
         """Positions, rotary tables, masks, seen columns and write indices from an upload `data` (`load`'s layout)."""
