@@ -23,6 +23,9 @@ from specgui.fastpath.programs import InProgram, RunRows, chained_program, forwa
 from specgui.fastpath.readout import HostRows
 from specgui.runner import ATTN, VERIFY_TOP, Observer, Pass, Runner, SkipPlan, Top, kept_units, sublayer, unit_index
 
+_NOTHING = np.zeros(0, dtype=np.int64)  # a pass's bounds and block before its first load (read-only: never written)
+_NOTHING.flags.writeable = False
+
 
 def _host(values: torch.Tensor | np.ndarray) -> np.ndarray:
     """Host values as numpy: an array as it is; a tensor read (on a GPU, a host tensor's read waits for nothing)."""
@@ -46,7 +49,7 @@ class StaticPass(Pass):
         # chained replay's follows (`chain`, `PlainSteps`: each replay a pass of its own, its inputs moved on by the
         # replay before, so that a chained token costs the host the call, not a pass's bookkeeping)
         self.inputs: BucketInputs | None = None
-        self.prefix = self.offset = self.visible = np.zeros(0, dtype=np.int64)
+        self.prefix = self.offset = self.visible = _NOTHING
 
     def _load(self, tokens: np.ndarray | None = None) -> None:
         t = self.length

@@ -141,6 +141,11 @@ class Plan:
     window: int
     clock: DeviceClock
 
+    @functools.cached_property
+    def hooked(self) -> frozenset[int]:
+        """Where the runner calls a splice (`Splice.layers`): the fractal layers, and before and after the stack."""
+        return frozenset(self.layers) | {0, self.runner.num_layers}
+
 
 class Splice:
     """The pre-layer hook of one forward whose rows are [exact rows..., slots...].
@@ -158,9 +163,7 @@ class Splice:
         self.cache = cache  # the decode state's: the sub-passes read it through frozen views
         self.committed = committed
         self.exact = exact
-        end = anchor_position + 1 + plan.window
-        self.slot_positions = np.arange(anchor_position + 1, end)  # host values in numpy: uploaded as they are
-        self.all_positions = np.arange(committed, end)
+        self.anchor_position = anchor_position
         self.guesses: list[torch.Tensor] = []
         self.lower: tuple[int, torch.Tensor] | None = None  # the latest lower pass on a CPU: (its layers, output)
         # `_kept` compares guesses on the host: on the eager CPU path only, where a read stalls nothing
@@ -176,8 +179,22 @@ class Splice:
         self.started_right: int | None = None  # leading slots the first fractal layer guessed as they started
         self.marks: list[tuple[Any, Any, Any]] = []  # (start, guessed, end) of each compressed pass
         self.span: list[Any] = []  # marks before the first layer and after the last, for the time split
-        # where the runner calls this hook (the layers between run as one piece, `runner.PreLayer`)
-        self.layers = frozenset(plan.layers) | {0, plan.runner.num_layers}
+
+    @property
+    def layers(self) -> frozenset[int]:
+        """Where the runner calls this hook (the layers between run as one piece, `runner.PreLayer`)."""
+        return self.plan.hooked
+
+    @functools.cached_property
+    def slot_positions(self) -> np.ndarray:
+        """The slots' positions (host values in numpy: uploaded as they are), for the passes run between programs (a
+        splice inside its forward's program needs none: made when first asked, not at every draft)."""
+        return np.arange(self.anchor_position + 1, self.anchor_position + 1 + self.plan.window)
+
+    @functools.cached_property
+    def all_positions(self) -> np.ndarray:
+        """Every row's position, the exact rows' and the slots' (as `slot_positions`)."""
+        return np.arange(self.committed, self.anchor_position + 1 + self.plan.window)
 
     def __call__(self, layer: int, h: torch.Tensor, step: Pass) -> torch.Tensor:
         if layer in (0, self.plan.runner.num_layers):
