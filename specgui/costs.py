@@ -325,6 +325,7 @@ class Calibration:
         # for all of them (sorted for each, they were most of a wide draft's pricing)
         self._read: dict[int, float] = {}
         self._points: list[tuple[int, float]] | None = None
+        self.learnt_steps = 0  # steps folded in so far: what prices kept elsewhere hold for (`DecodeState.verify_ms`)
 
     def verify_ratio(self, rows: int) -> float:
         """Measured over priced for a verify of `rows` tokens."""
@@ -410,6 +411,7 @@ class Calibration:
         table[key] = (CALIBRATION_DECAY * s + sample, CALIBRATION_DECAY * w + 1.0)
         self._read.clear()
         self._points = None
+        self.learnt_steps += 1
 
     def _learn_host(self, method: str, extra_ms: float, verify_ms: float) -> None:
         """Fold in a drafting step's host work beyond its priced work, at most `verify_ms` (its verify's price) either

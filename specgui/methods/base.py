@@ -55,6 +55,8 @@ class DecodeState:
     static: bool = False  # the fast path's static cache (on a GPU: programs, and reads that stall the host)
     chains: bool = False  # plain steps chain on the device (`fastpath.PlainSteps`: static, greedy, pipelined)
     riders: list[Rider] = field(default_factory=list)  # device values the next verdict read brings back (`ride`)
+    # `verify_ms`'s prices at one context and calibration (`_prices_of`): a step's sizing prices every size
+    _prices: tuple[tuple[Any, ...], dict[int, float]] = field(default=((), {}), repr=False)
 
     @property
     def unread(self) -> bool:
@@ -105,10 +107,19 @@ class DecodeState:
 
     def verify_ms(self, rows: int) -> float:
         """What a verify forward of `rows` tokens costs now, loop included: the profile's price at this context as
-        the steps decoded so far with it correct it (`costs.Calibration`)."""
+        the steps decoded so far with it correct it (`costs.Calibration`). Kept until either moves: a step's sizing
+        asks for every size's, several times (Self-Draft's rooms and steps: ~12 a step at 4 us each, host time)."""
         if self.profile is None:
             return float(rows)
-        return self.profile.verify_ms(rows, self.committed) * self.profile.verify_ratio(rows)
+        key, prices = self._prices
+        learnt = self.profile.calibration
+        now = len(self.tokens) - 1, learnt, learnt.learnt_steps  # (the context: `committed`)
+        if key != now:
+            self._prices = now, (prices := {})
+        price = prices.get(rows)
+        if price is None:
+            price = prices[rows] = self.profile.verify_ms(rows, now[0]) * self.profile.verify_ratio(rows)
+        return price
 
     def step_ms(self, work_ms: float, rows: int) -> float:
         """What a step costs now that does `work_ms` of the method's own drafting work (as the profile prices it)
