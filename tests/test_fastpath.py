@@ -39,8 +39,8 @@ def test_static_forwards_match_model_forward(arch):
     assert torch.allclose(got, reference, atol=1e-5), (got - reference).abs().max()
     assert cache.lengths == [82] * 4 and sorted(cache.inputs) == list(fastpath.BUCKETS)
     # per bucket: the forward, the same ending in a verify's head, its recording variant and the keeper (moves accepted
-    # keys); at one row, plain decoding's chained step and every sub-layer
-    assert set(cache.programs.by_key) == made and len(made) == 4 * len(fastpath.BUCKETS) + 1 + 2 * 4
+    # keys); at one row, plain decoding's chained step, a draft chain's start and every sub-layer
+    assert set(cache.programs.by_key) == made and len(made) == 4 * len(fastpath.BUCKETS) + 2 + 2 * 4
 
 
 def test_masks_pad_rows_that_see_only_themselves():
@@ -324,8 +324,8 @@ def test_warm_up_makes_every_bucket_once_and_pieces_on_demand():
     cache = fastpath.cache_for(runner, 16)
     count = len(cache.programs.by_key)
     # per bucket the whole forward, the same ending in a verify's head, its recording variant and the keeper; at one
-    # row plain decoding's chained step and each sub-layer alone (what costs times)
-    assert fastpath.stats(runner)["programs"] == count == 4 * len(fastpath.BUCKETS) + 1 + 2 * 4
+    # row plain decoding's chained step, a draft chain's start and each sub-layer alone (what costs times)
+    assert fastpath.stats(runner)["programs"] == count == 4 * len(fastpath.BUCKETS) + 2 + 2 * 4
     fastpath.warm_up(cache)
     assert len(cache.programs.by_key) == count  # a second warm-up is free
     standins = tiny_model(seed=9).runner.layers
@@ -354,7 +354,8 @@ def test_measuring_a_profile_makes_one_cache_and_only_its_warm_up_programs():
         costs.measure(lm, True, run=decode.run)
     assert len(made) == 1 and lm.runner.static_cache is made[0]
     layers = lm.runner.num_layers
-    assert fastpath.stats(lm.runner)["programs"] == 4 * len(fastpath.BUCKETS) + 1 + 2 * layers  # 1: plain steps
+    # (2: plain decoding's chained step, a draft chain's start)
+    assert fastpath.stats(lm.runner)["programs"] == 4 * len(fastpath.BUCKETS) + 2 + 2 * layers
 
 
 def test_bitsandbytes_targets_never_get_graphs():

@@ -16,7 +16,10 @@ import torch
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import fixed_block
+from specgui.fastpath.program import Program, key
 from specgui.kvcache import upload
+
+ROW = -8  # the `kind` of the program that builds one-row inputs where the host says (`start_row`)
 
 
 class Block:
@@ -49,6 +52,34 @@ class Block:
         history.index_copy_(0, (length + ahead).clamp(max=history.shape[0] - 1), kept)
         self.cache.cursor.copy_(length + accepted + 1)
         return accepted
+
+
+def row_program(cache: StaticKVCache) -> Program:
+    """The program behind `start_row`: its input [length, id] (int64) the host's two values, the rest `Block.build`."""
+
+    def make() -> Program:
+        block = Block(cache, 1)
+
+        def run(control: torch.Tensor) -> torch.Tensor:
+            block.build(control[:1], control[1:])
+            return control
+
+        return Program(run, torch.zeros(2, dtype=torch.long, device=cache.runner.device), cache.programs, True,
+                       read=False)
+
+    return cache.programs.get(key(None, ROW, 1), make)
+
+
+def start_row(cache: StaticKVCache, position: int, token: int) -> None:
+    """The one-row inputs at `position`, its id `token`, every layer seeing the keys before it and writing its own
+    there (every layer holds the committed prefix, as a drafter finds the cache): two values uploaded and built on the
+    device (`row_program`), for a draft chain the host starts (`passes.chain`). A load (`BucketInputs.load`) would
+    pack the layers' bounds, the positions, the block and the ids on the host between the verdict's read and the
+    launch (on a CPU ~0.03 ms of a SWIFT step's, cold after a forward)."""
+    program = row_program(cache)
+    upload(program.input, np.array([position + 1, token], dtype=np.int64))
+    program()
+    cache.inputs_for(1).owner = None  # built on the device: the next pass that wants them loads its own
 
 
 class Synced:

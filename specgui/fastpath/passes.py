@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specgui.fastpath.cache import StaticKVCache, StaticView
+from specgui.fastpath.cursor import start_row
 from specgui.fastpath.inputs import BucketInputs, bucket, fixed_block
 from specgui.fastpath.program import Program
 from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
@@ -165,24 +166,23 @@ class StaticPass(Pass):
 
 def chain(cache: StaticKVCache, skip: SkipPlan, pending: int, start: int, limit: int, nodes: int = 1
           ) -> torch.Tensor:
-    """A layer-skip draft of `limit` tokens from `pending` over `cache`, the host out of the loop: one load of the
-    one-row inputs, then `limit` replays of the plan's chained program (`programs.chained_program`), each of which
-    feeds its choice to the next and moves the inputs on by a row itself (`BucketInputs.advance`), so that a draft
-    token costs the device one replay and the host nothing. Each position's `nodes` likeliest ids (its token, then
-    runners-up) go straight to the token buffer's rows the verify forward reads them at: row 1 + i * nodes on
-    (`StaticKVCache.place`). `start` is the committed length (the pending token's position). Returns the draft's
-    `Top`s [limit, 3 k + 1], k = max(2, nodes), packed (valid until the program runs again), a view of the
-    readout's `ring`. The draft's keys stay past `start`; the caller crops them."""
+    """A layer-skip draft of `limit` tokens from `pending` over `cache`, the host out of the loop: the one-row inputs
+    built on the device (`cursor.start_row`), then `limit` replays of the plan's chained program
+    (`programs.chained_program`), each of which feeds its choice to the next and moves the inputs on by a row itself
+    (`BucketInputs.advance`), so that a draft token costs the device one replay and the host nothing. Each position's
+    `nodes` likeliest ids (its token, then runners-up) go straight to the token buffer's rows the verify forward reads
+    them at: row 1 + i * nodes on (`StaticKVCache.place`). `start` is the committed length (the pending token's
+    position). Returns the draft's `Top`s [limit, 3 k + 1], k = max(2, nodes), packed (valid until the program runs
+    again), a view of the readout's `ring`. The draft's keys stay past `start`; the caller crops them."""
     inputs = cache.inputs_for(1)
     program, ring = chained_program(cache, inputs, skip, nodes)
-    # each replay a forward pass of its own, made before the first runs (between two, the host only calls); the first
-    # loads the inputs at `start`, the others never load (the replays move them on)
+    # each replay a forward pass of its own, made before the first runs (between two, the host only calls); none
+    # loads: they start from the inputs built at `start`, and the replays move them on
     at = np.array([start])
     passes = [cache.runner.new_pass(at, cache) for _ in range(limit)]
-    passes[0]._load(np.array([pending]))
+    start_row(cache, start, pending)
     for step in passes:
         step.call(program)
-    inputs.owner = None  # moved on past what any pass loaded
     return ring[:limit]
 
 

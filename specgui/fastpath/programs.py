@@ -28,6 +28,7 @@ from torch import nn
 
 from specgui import compiled
 from specgui.fastpath.cache import StaticKVCache
+from specgui.fastpath.cursor import row_program
 from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket, fixed_block
 from specgui.fastpath.program import Program, key
 from specgui.kvcache import Cache
@@ -64,7 +65,7 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             buckets: Sequence[int] = BUCKETS, nodes: int = 1, hooks: Sequence[InProgram] = ()) -> None:
     """Make (on CUDA: capture) programs now, outside any timed step: by default every bucket's plain forward, the
     same ending in a verify's head (`Runner.forward(top=)`), its recording variant and, at one row, plain decoding's
-    chained step (`passes.PlainSteps`) and each sub-layer
+    chained step (`passes.PlainSteps`), a draft chain's start (`cursor.start_row`) and each sub-layer
     of every layer (what the cost model times: no pass runs a sub-layer alone at more rows but a forward past the
     buckets, and a capture costs a device synchronisation and an emptied allocator cache, so the 60 a bucket would
     be most of a cache's captures); given `pieces`, those stretches of layers, one program each (`Drafter.pieces`);
@@ -87,7 +88,7 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
             return [forward_program(cache, inputs, layers=layers, modules=modules) for modules, layers in pieces]
         return ([forward_program(cache, inputs, record=record) for record in (False, True)]
                 + [forward_program(cache, inputs, top=VERIFY_TOP), cache.keeper(inputs.rows)]
-                + ([chained_program(cache, inputs, None, 1)[0]] if inputs.rows == 1 else [])
+                + ([chained_program(cache, inputs, None, 1)[0], row_program(cache)] if inputs.rows == 1 else [])
                 + [unit_program(cache, runner.layers[layer], layer, kind, inputs)
                    for layer in range(runner.num_layers) for kind in (ATTN, MLP) if inputs.rows == 1])
 
