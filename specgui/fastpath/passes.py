@@ -176,11 +176,13 @@ def chain(cache: StaticKVCache, skip: SkipPlan, pending: int, start: int, limit:
     again), a view of the readout's `ring`. The draft's keys stay past `start`; the caller crops them."""
     inputs = cache.inputs_for(1)
     program, ring = chained_program(cache, inputs, skip, nodes)
-    # each replay a forward pass of its own, made before the first runs (between two, the host only calls); none
-    # loads: they start from the inputs built at `start`, and the replays move them on
+    # each replay a forward pass of its own; none loads: they start from the inputs built at `start`, and the replays
+    # move them on. The first is made before that build's launch, the others after it (before the first replay:
+    # between two replays the host only calls), so that the device does not wait for their making
     at = np.array([start])
-    passes = [cache.runner.new_pass(at, cache) for _ in range(limit)]
+    passes = [cache.runner.new_pass(at, cache)]
     start_row(cache, start, pending)
+    passes += [cache.runner.new_pass(at, cache) for _ in range(limit - 1)]
     for step in passes:
         step.call(program)
     return ring[:limit]

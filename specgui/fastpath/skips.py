@@ -117,11 +117,13 @@ class SkipSteps:
             self.made[rows] = (start_program(cache), chained_program(cache, cache.inputs_for(1), chain.plan, 1)[0],
                                verify_program(cache, rows))
         start, program, verify = self.made[rows]
-        # each replay a forward pass of its own, made before the first program runs: between two, the host only calls
-        passes = [cache.runner.new_pass(self.nowhere, cache) for _ in range(chain.size + 1)]
+        # each replay a forward pass of its own: the first made before the start's launch, the others after it, before
+        # the first replay (between two replays the host only calls; `passes.chain`)
+        passes = [cache.runner.new_pass(self.nowhere, cache)]
         cache.inputs_for(1).owner = cache.inputs_for(rows).owner = None  # built on the device: others load their own
         upload(start.input, np.array([self.synced.sync(tokens, rows), chain.size, chain.threshold], dtype=np.float64))
         start()
+        passes += [cache.runner.new_pass(self.nowhere, cache) for _ in range(chain.size)]
         for step in passes[:-1]:
             step.call(program)
         out = passes[-1].call(verify)
