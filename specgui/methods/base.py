@@ -55,8 +55,8 @@ class DecodeState:
     static: bool = False  # the fast path's static cache (on a GPU: programs, and reads that stall the host)
     chains: bool = False  # plain steps chain on the device (`fastpath.PlainSteps`: static, greedy, pipelined)
     riders: list[Rider] = field(default_factory=list)  # device values the next verdict read brings back (`ride`)
-    # `verify_ms`'s prices at one context and calibration (`_prices_of`): a step's sizing prices every size
-    _prices: tuple[tuple[Any, ...], dict[int, float]] = field(default=((), {}), repr=False)
+    # `verify_ms`'s prices at one context and calibration, with what they hold for: a step's sizing prices every size
+    _prices: tuple[tuple[Any, ...], dict[int, float]] = field(default_factory=lambda: ((), {}), repr=False)
 
     @property
     def unread(self) -> bool:
