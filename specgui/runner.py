@@ -91,8 +91,11 @@ def top_of(logits: torch.Tensor, k: int) -> Top:
 
 
 def as_tensor(values: torch.Tensor | np.ndarray) -> torch.Tensor:
-    """A host numpy array as a tensor sharing its memory (a tensor as it is)."""
-    return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+    """A host numpy array as a tensor sharing its memory, or a copy of a read-only one (a mask made once a shape, which
+    torch would warn about sharing); a tensor as it is."""
+    if not isinstance(values, np.ndarray):
+        return values
+    return torch.from_numpy(values if values.flags.writeable else values.copy())
 
 
 def _rows_of(packed: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
