@@ -141,7 +141,8 @@ class BucketInputs:
             self._pack(packed, t, positions, visible, tokens, 0)
             self._build(to_device(torch.from_numpy(packed), self.positions.device))
         else:  # into the staging buffer over what it held: only what may differ is written
-            self.shown[staging.slot] = self._pack(packed, t, positions, visible, tokens, self.shown[staging.slot])
+            self._pack(packed, t, positions, visible, tokens, self.shown[staging.slot])
+            self.shown[staging.slot] = t
             staging.send(self.builder.input)
             self.builder()
         self.owner = owner
@@ -156,9 +157,9 @@ class BucketInputs:
         return packed
 
     def _pack(self, packed: np.ndarray, t: int, positions: np.ndarray, visible: np.ndarray, tokens: np.ndarray | None,
-              shown: int) -> int:
+              shown: int) -> None:
         """A pass's positions, visible block and ids into `packed`, which holds an earlier pass's of `shown` rows
-        (their block and ids, past the padding's, put back first). Returns the rows packed now."""
+        (their block and ids, past the padding's, put back first)."""
         rows = self.rows
         packed[:t] = positions
         packed[t:rows] = positions[-1]  # any real position: padded rows are never read
@@ -170,7 +171,6 @@ class BucketInputs:
         ids[: max(shown, t)] = -1
         if tokens is not None:
             ids[:t] = tokens
-        return t
 
     def _build(self, data: torch.Tensor) -> torch.Tensor:
         """Positions, rotary tables, masks, seen columns and write indices from an upload `data` (`load`'s layout)."""

@@ -295,14 +295,13 @@ class SpliceProgram:
     """`Splice` inside its forward's program (`fastpath.InProgram`): at each fractal layer the copy's upper layers over
     every row of the forward, their keys written where the forward's own layers write theirs (and will, over them,
     when it gets there: the upper pass sees the committed prefix and itself, as over a view); the copy's head's slot
-    guesses into `guesses` [n * w] (the readout's tail, read with the verdict); its lower layers over the slot rows
-    (the forward's own rows, seeing the exact rows' keys and writing the slots' over their stale ones); the slot rows
-    replaced. The forward is one program: no upload, launch or read between its layers."""
+    guesses into its `parts` [w] (views of the readout's tail, read with the verdict); its lower layers over the slot
+    rows (the forward's own rows, seeing the exact rows' keys and writing the slots' over their stale ones); the slot
+    rows replaced. The forward is one program: no upload, launch or read between its layers."""
 
     plan: Plan
     exact: int
-    guesses: torch.Tensor
-    parts: tuple[torch.Tensor, ...]  # `guesses` a fractal layer each, as the step's verdict read brings them
+    parts: tuple[torch.Tensor, ...]  # the guesses of a fractal layer each, as the step's verdict read brings them
 
     @classmethod
     def of(cls, plan: Plan, cache: KVCache, exact: int) -> SpliceProgram | None:
@@ -313,7 +312,7 @@ class SpliceProgram:
             return None
         w = plan.window
         region = cache.readout.tail(len(plan.layers) * w)
-        return None if region is None else cls(plan, exact, region,
+        return None if region is None else cls(plan, exact,
                                                 tuple(region[k * w : (k + 1) * w] for k in range(len(plan.layers))))
 
     @property
@@ -332,8 +331,7 @@ class SpliceProgram:
         comp, w, exact = self.plan.compressed, self.plan.window, self.exact
         x = run(h, range(layer, self.plan.runner.num_layers), comp.layers, None)
         guesses = comp.logits(x[0, exact - 1 : exact - 1 + w]).argmax(-1)  # the anchor's and slots 1..w-1's rows
-        k = self.plan.layers.index(layer)
-        self.guesses[k * w : (k + 1) * w].copy_(guesses)
+        self.parts[self.plan.layers.index(layer)].copy_(guesses)
         y = run(comp.embed(guesses.view(1, -1)), range(layer), comp.layers, (exact, w))
         return torch.cat([h[:, :exact], y.to(h.dtype), h[:, exact + w :]], dim=1)
 
