@@ -6,7 +6,7 @@
              2. launch   one target forward over [pending] + tree (+ extras); the drafter learns what the next draft
                          does without (`after_launch`); and where the device can make the next step's draft whatever
                          this one's verdict (`ahead`: a plain step, a prompt lookup, a layer-skip chain), its forward
-                         too, chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`)
+                         too, chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`, `SlotSteps`)
              3. event    the step before's: the cost model learns it, its text is built, its Step goes out
              4. read     the verifier reads the forward's verdict
              5. accept   the verifier keeps a path and adds its own token
@@ -54,7 +54,7 @@ import torch
 
 from specgui import compiled, costs, fastpath, kvcache, methods
 from specgui.costs import CostProfile
-from specgui.draft import Draft, Lookup, Outcome, Rider, SkipChain
+from specgui.draft import Draft, Lookup, Outcome, Rider, SkipChain, SlotChain
 from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
 from specgui.loading import LoadedModel
@@ -175,15 +175,15 @@ class _Launched:
     logits: torch.Tensor | Top
     extra_logits: torch.Tensor | None = None
     extra_rows: list[int] | None = None
-    chained: bool = False  # a step chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`)
+    chained: bool = False  # a step chained on the device (`fastpath.PlainSteps`, `LookupSteps`, ...)
     kind: type = NoneType  # a chained step's: its draft's `device_draft` kind (a plain step's: NoneType)
     ready: Any = None  # a chained step's CUDA event: its verdict is on the host behind it
     end: Any = None  # pipelined: the clock's mark right behind its forward
     ahead: bool = False  # launched before the step before it was read
     promise: Draft | None = None  # launched ahead: the draft the drafter promised (`Drafter.ahead`)
     drafted: torch.Tensor | None = None  # what the device made at the launch that the read checks: a prompt
-    # lookup's ids (`fastpath.lookup.check`), how many tokens a skip chain's acceptance took (`fastpath.skips.check`)
-    nodes: torch.Tensor | None = None  # a skip chain's Tops: its nodes' values (`OnDevice.values`)
+    # lookup's ids (`fastpath.lookup.check`), how many tokens a skip or slot chain's acceptance took (`cursor.check`)
+    nodes: torch.Tensor | None = None  # a skip chain's Tops, a slot chain's tokens: its nodes' values (`OnDevice`)
 
     def wait(self) -> None:
         """Before the verdict's read: a chained step's copy to the host has run (not the forwards launched since)."""
@@ -341,7 +341,7 @@ def generate(
             # 1. draft (a step launched ahead drafts now, as any step, what its drafter promised: nothing, or a lookup)
             draft = drafter.draft(state)
             made = draft.device_draft  # a draft the device makes at the launch verifies its size's rows, found or not
-            rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0) if made is None else 1 + made.size
+            rows = 1 + len(draft) + (len(draft.extras.tokens) if draft.extras else 0) if made is None else made.rows
             # 2. launch: one target forward over the pending token, the tree and any extras
             if ahead is not None:
                 if not _kept(state, ahead.promise, draft):
@@ -384,8 +384,8 @@ def generate(
             state.riders = []
             if launched.kind is Lookup:
                 fastpath.lookup.check(drafted[0].values, draft.tokens)
-            elif launched.kind is SkipChain:
-                fastpath.skips.check(drafted[0].values, verdict.path)
+            elif launched.kind in (SkipChain, SlotChain):
+                fastpath.cursor.check(drafted[0].values, verdict.path)
             # 5. accept: the accepted path plus the verifier's own token, cut at a stop token or the budget
             emitted = [draft.tokens[i] for i in verdict.path] + [verdict.token]
             emitted, stop = _cut(lm, state, emitted)
@@ -442,13 +442,15 @@ def _kept(state: DecodeState, promise: Draft, draft: Draft) -> bool:
 
 class _Chains:
     """A run's steps chained on the device, made as its steps first want them: plain ones, pipelined
-    (`fastpath.PlainSteps`), prompt lookup's (`fastpath.LookupSteps`) and layer-skip ones (`fastpath.SkipSteps`)."""
+    (`fastpath.PlainSteps`), prompt lookup's (`fastpath.LookupSteps`), layer-skip ones (`fastpath.SkipSteps`) and
+    carried ones (`fastpath.SlotSteps`)."""
 
     def __init__(self, cache: fastpath.StaticKVCache, pipeline: bool) -> None:
         self.cache, self.pipeline = cache, pipeline
         self.plain: fastpath.PlainSteps | None = None
         self.lookups: dict[tuple[int, int], fastpath.LookupSteps] = {}
         self.skips: fastpath.SkipSteps | None = None
+        self.slots: fastpath.SlotSteps | None = None
 
     def plain_steps(self) -> fastpath.PlainSteps:
         if self.plain is None:
@@ -465,18 +467,27 @@ class _Chains:
             self.skips = fastpath.SkipSteps(self.cache)
         return self.skips
 
+    def slot_steps(self) -> fastpath.SlotSteps:
+        if self.slots is None:
+            self.slots = fastpath.SlotSteps(self.cache)
+        return self.slots
+
 
 def _launch(state: DecodeState, draft: Draft, chains: _Chains | None, ahead: bool = False) -> _Launched:
     """2. launch: the step's target forward, chained on the device where it can be: a draft made there
-    (`Draft.device_draft`: a prompt lookup, a skip chain), or, pipelined, a plain step (at the pending token's position,
-    its id the host's, or, for a step launched `ahead`, the one the step before leaves there, as a lookup finds its
-    n-gram in what that step left)."""
+    (`Draft.device_draft`: a prompt lookup, a skip chain, a carried chain), or, pipelined, a plain step (at the
+    pending token's position, its id the host's, or, for a step launched `ahead`, the one the step before leaves
+    there, as a lookup finds its n-gram in what that step left)."""
     made, tokens = draft.device_draft, None if ahead else state.tokens
     if made is not None and chains is None:
         raise SpecGUIError("a draft made on the device needs the fast path under greedy decoding")
     if isinstance(made, SkipChain):
         top, ready, accepted, nodes = chains.skip_steps().launch(made, tokens)
         return _Launched(top, chained=True, kind=SkipChain, ready=ready, drafted=accepted, nodes=nodes)
+    if isinstance(made, SlotChain):  # the slots' predictions come back as the extras' choices
+        top, ready, accepted, nodes = chains.slot_steps().launch(made, tokens)
+        return _Launched(top, extra_rows=list(range(made.window)), chained=True, kind=SlotChain, ready=ready,
+                         drafted=accepted, nodes=nodes)
     if made is not None and (made.size or chains.pipeline):  # (serially a lookup of nothing is a plain step)
         top, ready, drafted = chains.lookup_steps(made.ngrams).launch(made.size, tokens)
         return _Launched(top, chained=True, kind=Lookup, ready=ready, drafted=drafted)

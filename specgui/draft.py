@@ -83,6 +83,11 @@ class Lookup:
     size: int
     ngrams: tuple[int, int]
 
+    @property
+    def rows(self) -> int:
+        """The verify's rows: the pending token's and the draft's, found or not."""
+        return 1 + self.size
+
 
 @dataclass(frozen=True)
 class SkipChain:
@@ -95,8 +100,35 @@ class SkipChain:
     size: int
     threshold: float
 
+    @property
+    def rows(self) -> int:
+        return 1 + self.size
 
-DeviceDraft = Lookup | SkipChain  # a draft the device makes at the launch, from what the step before left there
+
+@dataclass(frozen=True)
+class SlotChain:
+    """A carried draft the device makes at the step's launch (`fastpath.SlotSteps`, Fractal's with `carry`): up to
+    `size` tokens of the chain the step before's `window` draft slots predicted, cut where a slot held another token
+    than the chain before it predicts (`methods.fractal.consistent_chain`), and none where that step's draft was not
+    accepted whole or the chain is `restart`ed (the step after one that carried no slots); then `window` slots riding
+    after it, started from a prompt lookup over the text and the chain (`ngrams`), refined inside the forward by
+    `splice` (`splice(exact, anchor)`: the hook of a forward of `exact` rows before its slots, the row the slots
+    continue read from the device tensor `anchor`). Its tokens are known on the host only with the step's read
+    (`OnDevice`), so that it needs no read of the step before."""
+
+    size: int
+    window: int
+    ngrams: tuple[int, int]
+    restart: bool
+    splice: Callable[[int, torch.Tensor], Any]
+
+    @property
+    def rows(self) -> int:
+        """The verify's rows: the pending token's, the chain's whole size (valid or not) and the slots'."""
+        return 1 + self.size + self.window
+
+
+DeviceDraft = Lookup | SkipChain | SlotChain  # a draft the device makes at the launch, from what the step before left
 
 
 @dataclass

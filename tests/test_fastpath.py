@@ -268,11 +268,12 @@ def test_nan_in_every_unused_key_value_slot_changes_no_token(method, c_layers, m
 
 def test_fractal_drafts_on_the_fast_path_are_its_eager_drafts(tiny_lm):
     """The spliced forwards' pieces and compressed passes as programs, the lower passes writing in place after their
-    window as the eager path's do (a kept-slot redo reads them there), the guesses read with the verdict: every
-    step drafts the tokens the eager path drafts."""
+    window as the eager path's do (a kept-slot redo reads them there), the guesses read with the step's read: every
+    step drafts the tokens the eager path drafts. (Each step its own draft forward: carrying, the fast path's greedy
+    steps draft on the device, restarting a broken chain otherwise, `fastpath.SlotSteps`.)"""
     for prompt in TINY_PROMPTS:
         runs = [decode.run(tiny_lm, prompt, "fractal", max_new_tokens=24, fast_path=mode,
-                           params=FRACTAL_PAST_LAYER_0).steps for mode in ("off", "on")]
+                           params={**FRACTAL_PAST_LAYER_0, "carry": False}).steps for mode in ("off", "on")]
         drafts = [[(s.draft_tokens, s.payload.get("origin")) for s in steps] for steps in runs]
         assert drafts[0] == drafts[1] and any(s.draft_tokens for s in runs[0])
 

@@ -6,16 +6,20 @@ checks run with the settings the presets do not use (separate draft forwards, w 
 """
 
 import dataclasses
+import random
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import CharTokenizer, assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import cpu_layers, decode, kernels, methods
+from specgui import cpu_layers, decode, fastpath, kernels, methods
+from specgui.draft import SlotChain
 from specgui.errors import SpecGUIError
 from specgui.events import Prefill
+from specgui.fastpath.slots import standing
 from specgui.kvcache import FrozenView, KVCache
 from specgui.loading import LoadedModel, ModelSpec
 from specgui.methods.base import DecodeState
@@ -27,6 +31,7 @@ from specgui.methods.compress import (
     compressed_copy,
 )
 from specgui.methods.fractal import Fractal, Splice, consistent_chain, fractal_positions, origins, per_token_acceptance
+from specgui.methods.pld import NgramIndex
 from specgui.runner import ATTN, MLP, Pass, Runner
 from specgui.sampling import GREEDY
 
@@ -61,6 +66,67 @@ def test_chain_keeps_slot_predictions_while_slots_hold_what_the_chain_predicts()
     assert consistent_chain(5, [5, 6, 0, 8], [6, 7, 8, 9]) == [6, 7]
     assert consistent_chain(5, [4, 6], [6, 7]) == []  # slot 0 guessed another token: nothing follows
     assert consistent_chain(5, [5, 6], [6, 7]) == [6, 7]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_devices_cut_of_a_carried_chain_is_the_hosts(seed):
+    """`fastpath.slots.standing`, the fixed-shape chain rule of a carried step on the device, keeps the slots'
+    predictions `consistent_chain` keeps, over random small-vocabulary slots (where agreements are frequent)."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        w = rng.randint(1, 5)
+        bonus, held, predicted = rng.randint(0, 2), [rng.randint(0, 2) for _ in range(w)], [rng.randint(0, 2)
+                                                                                           for _ in range(w)]
+        stands = standing(torch.tensor([bonus]), torch.tensor(held), torch.tensor(predicted)).tolist()
+        assert stands == sorted(stands, reverse=True)  # a prefix
+        assert predicted[: sum(stands)] == consistent_chain(bonus, held, predicted)
+
+
+@pytest.mark.parametrize(("restart", "held"), [(False, [4, 5, 9]), (True, [4, 5, 1])])
+def test_a_carried_step_on_the_device_drafts_verifies_and_accepts_as_the_host_would(tiny_lm, restart, held):
+    """One carried step's program (`fastpath.slots.slot_program`) over a hand-set carry: the slots before predicted
+    [5, 1, 7] holding `held` after the pending token 4, so the chain [5, 1] stands ([5, 1, 7] where slot 2 held 1;
+    none on a restart). Its block is [pending, the chain's 3 tokens, 3 slots] with the slots after the standing chain
+    (positions, and the tokens they start from: what followed the text + chain's longest n-gram where it occurred
+    before, as `NgramIndex` finds it); the standing rows' verdicts are a plain forward's over the same tokens; what it
+    accepts is the greedy rule's over those verdicts, written to the history with the target's own token, and what
+    it leaves to carry is its slots' last guesses, the target's predictions at them and whether all that stood was
+    accepted."""
+    runner, prompt = tiny_lm.runner, PROMPTS[0]  # ...4, 5, 1, 2, 3, 4: the pending token 4
+    drafter = methods.create("fractal", runner, "tiny", GREEDY, {"num_fractal": 2, "window": 3, "first": 0.0})
+    cache = fastpath.cache_for(runner, 64)
+    state = DecodeState(runner, cache, list(prompt), len(prompt), GREEDY, None, 16, static=True)
+    c, w, size = len(prompt) - 1, 3, 3
+    with torch.inference_mode():
+        drafter.setup(state)
+        drafter.begin(state)
+        runner.forward(np.asarray(prompt[:-1]), np.arange(c), cache)
+        cache.carried[: 2 * w + 1] = torch.tensor([*held, 5, 1, 7, 1])
+        chain = SlotChain(size, w, (1, 4), restart, drafter.programs[1 + size])
+        top, _, accepted, values = fastpath.SlotSteps(cache).launch(chain, list(prompt))
+        stood = 0 if restart else len(consistent_chain(4, held, [5, 1, 7]))
+        assert values[:1 + size].tolist() == [stood, 5, 1, 7]
+        text = prompt + [5, 1, 7][:stood]
+        index = NgramIndex(1, 4)
+        index.update(text)
+        found, _ = index.lookup(text, w)
+        starts = found + [text[-1]] * (w - len(found))
+        rows = 1 + size + w
+        assert cache.tokens[0, :rows].tolist() == [4, 5, 1, 7, *starts]
+        positions = cache.inputs_for(fastpath.bucket(rows)).positions[0, :rows].tolist()
+        assert positions == [c, c + 1, c + 2, c + 3, *range(c + stood + 1, c + stood + 1 + w)]
+        eager = KVCache()
+        runner.forward(torch.tensor(prompt[:-1]), torch.arange(c), eager)
+        plain = runner.forward(torch.tensor(text[c:]), torch.arange(c, c + 1 + stood), eager)
+    best = top.ids[:, 0].long().tolist()
+    assert best[: 1 + stood] == plain.argmax(-1).tolist()
+    assert torch.allclose(top.packed[: 1 + stood, top.k], plain.max(-1).values, atol=1e-4)  # the top-1 logits
+    took = next((j for j in range(stood) if [5, 1, 7][j] != best[j]), stood)
+    assert int(accepted[0]) == took
+    assert int(cache.cursor) == len(prompt) + took + 1
+    assert cache.history[len(prompt) : len(prompt) + took + 1].tolist() == [*[5, 1, 7][:took], best[took]]
+    guesses = values[1 + size :].view(2, w)[-1].long().tolist()  # the last fractal layer's
+    assert cache.carried[: 2 * w + 1].tolist() == [*guesses, *best[1 + size : 1 + size + w], int(took == stood)]
 
 
 def test_the_prior_is_the_papers_per_token_acceptance_at_its_own_layer_count():

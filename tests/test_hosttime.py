@@ -9,6 +9,7 @@ import pytest
 from helpers import drafting
 from specgui import bench, decode, fastpath, hosttime
 from specgui.methods.admg import Admg
+from specgui.methods.fractal import Fractal
 from specgui.methods.lookahead import Lookahead
 from specgui.methods.pld import PromptLookup
 from specgui.methods.policy import DraftPolicy
@@ -60,13 +61,14 @@ def test_host_work_after_the_read_is_host_time_the_device_waits_for(tiny_lm, mon
     assert (steps[-1] if pipeline else steps[0]).critical_ms < SLEEP_S * 1000
 
 
-@pytest.mark.parametrize(("method", "drafter"), [("pld", PromptLookup), ("admg", Admg)])
+@pytest.mark.parametrize(("method", "drafter"), [("pld", PromptLookup), ("admg", Admg), ("fractal", Fractal)])
 def test_host_work_after_the_read_of_a_step_chained_on_the_device_is_not_waited_for(tiny_lm, monkeypatch, method,
                                                                                       drafter):
-    """Prompt lookup's and layer-skip steps chained on the device (`fastpath.LookupSteps`, `SkipSteps`): each is
-    launched before the step before it is read, so the host's work after that read (here a slow observe) is host time
-    no forward waits for; only the first steps (ADMG's first draft adopts its skip set) and the last, launched after a
-    read where the budget had no room for a step ahead, wait."""
+    """Prompt lookup's, layer-skip and carried steps chained on the device (`fastpath.LookupSteps`, `SkipSteps`,
+    `SlotSteps`): each is launched before the step before it is read, so the host's work after that read (here a slow
+    observe) is host time no forward waits for; only the first steps (ADMG's first draft adopts its skip set,
+    Fractal's first chain restarts after the prompt) and the last, launched after a read where the budget had no room
+    for a step ahead, wait."""
     slow_observe(monkeypatch, drafter)
     result, steps = run(tiny_lm, method, 24)
     assert all(step.host_ms >= SLEEP_S * 1000 for step in steps[1:])

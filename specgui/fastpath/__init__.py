@@ -19,7 +19,8 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
   * `cursor`: what steps chained on the device share: the run's tokens there, a block's inputs built at its cursor,
     the greedy acceptance written back;
   * `lookup`: prompt lookup's steps chained on the device, n-gram match, verify and acceptance in one program;
-  * `skips`: layer-skip steps chained on the device, a draft chain from the cursor, its verify and acceptance.
+  * `skips`: layer-skip steps chained on the device, a draft chain from the cursor, its verify and acceptance;
+  * `slots`: Fractal's carried steps chained on the device, the chain its slots predicted, its verify and acceptance.
 A step's forward goes through them in turn: `decode` -> `Runner.forward` -> `passes.StaticPass.whole_forward` ->
 `inputs.BucketInputs.load` (one upload, the bucket's builder program replayed) -> `programs.forward_program` (looked
 up in the cache's `program.Programs`) -> `program.Program.__call__` (a replay) -> a verify's `Top`, a view of the
@@ -50,11 +51,13 @@ from specgui.fastpath.programs import (
 )
 from specgui.fastpath.readout import CHAIN_NODES
 from specgui.fastpath.skips import SkipSteps
+from specgui.fastpath.slots import SlotSteps
 from specgui.runner import Runner
 
 __all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "LookupSteps", "Piece", "PlainSteps", "Program",
-           "RunLayers", "RunRows", "SkipSteps", "StaticKVCache", "StaticPass", "adopt", "bucket", "cache_for", "chain",
-           "checked", "compiles_for", "masks", "overwrite_check", "resolve", "rows_made", "stats", "units", "warm_up"]
+           "RunLayers", "RunRows", "SkipSteps", "SlotSteps", "StaticKVCache", "StaticPass", "adopt", "bucket",
+           "cache_for", "chain", "checked", "compiles_for", "masks", "overwrite_check", "resolve", "rows_made",
+           "stats", "units", "warm_up"]
 
 SLACK = 512  # room past a run's last position for its largest forward (tree, branches, slots)
 MODES = ("auto", "on", "off")

@@ -21,7 +21,7 @@ import torch
 from specgui.errors import SpecGUIError
 from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
 from specgui.fastpath.program import Program, Programs, key
-from specgui.fastpath.readout import Readout
+from specgui.fastpath.readout import CHAIN, Readout
 from specgui.kvcache import KVCache, upload
 from specgui.runner import Pass, Runner
 
@@ -57,6 +57,9 @@ class StaticKVCache(KVCache):
         # steps chained on the device find their n-grams and leave what they accept (`lookup.LookupSteps`)
         self.history = torch.zeros(capacity, dtype=torch.long, device=device)
         self.cursor = torch.zeros(1, dtype=torch.long, device=device)
+        # what a carried step leaves for the next (`slots.SlotSteps`): its slots' tokens, the target's predictions at
+        # them (up to a chain's longest each) and whether its draft was accepted whole
+        self.carried = torch.zeros(2 * CHAIN + 1, dtype=torch.long, device=device)
         self.programs = Programs(runner)  # last: its graphs' memory is counted from here
 
     @property

@@ -32,12 +32,16 @@ class Block:
         self.ahead = torch.arange(rows, device=device)
         self.causal = torch.from_numpy(fixed_block(rows, causal=True).astype(np.int64).reshape(-1)).to(device)
 
-    def build(self, length: torch.Tensor, ids: torch.Tensor) -> None:
+    def build(self, length: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+              visible: torch.Tensor | None = None) -> None:
         """The bucket's inputs for the block at the pending token's position (`length` [1] less one) on, every layer
         seeing the keys before it, its rows' ids `ids` (negative: the id the token buffer holds there): what
-        `BucketInputs.load` would upload, made on the device."""
+        `BucketInputs.load` would upload, made on the device. Its rows at `offsets` [rows] past that position, seeing
+        each other as `visible` [rows * rows] (int64) says (by default one after the other, causally: a chain)."""
         at, layers = length - 1, self.cache.runner.num_layers
-        self.inputs._build(torch.cat([at + self.ahead, at.expand(layers), at.expand(layers), self.causal, ids]))
+        offsets = self.ahead if offsets is None else offsets
+        visible = self.causal if visible is None else visible
+        self.inputs._build(torch.cat([at + offsets, at.expand(layers), at.expand(layers), visible, ids]))
 
     def accept(self, length: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, best: torch.Tensor
                ) -> torch.Tensor:
@@ -80,6 +84,15 @@ def start_row(cache: StaticKVCache, position: int, token: int) -> None:
     upload(program.input, np.array([position + 1, token], dtype=np.int64))
     program()
     cache.inputs_for(1).owner = None  # built on the device: the next pass that wants them loads its own
+
+
+def check(accepted: list[float], path: list[int]) -> None:
+    """After a chained step's read: the device accepted (the launch's count, as read) the draft tokens the host's
+    verdict did (its `path`), and so wrote what the host decoded; else a one-line error (the steps chained after it
+    would start where the host's tokens do not)."""
+    if int(accepted[0]) != len(path):
+        raise SpecGUIError(f"the device accepted {int(accepted[0])} draft tokens of a chained step, the host "
+                           f"{len(path)}: a bug, please report it")
 
 
 class Synced:

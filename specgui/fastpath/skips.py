@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from specgui.draft import SkipChain
-from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.cursor import Block, Synced
 from specgui.fastpath.inputs import bucket
@@ -108,8 +107,8 @@ class SkipSteps:
                ) -> tuple[Top, torch.cuda.Event | None, torch.Tensor, torch.Tensor]:
         """A step drafting `chain` from the device's cursor, or, given the run's `tokens` (the pending one last), from
         those. Returns its verdict as a host `Top` [rows, 3 k + 1], the event to wait for before reading it (None off
-        CUDA), the host view of how many draft tokens the device accepted [1] (read with the verdict: `check`) and
-        of the chain's Tops [size, 3 k + 1] (its nodes' values: `OnDevice.values`)."""
+        CUDA), the host view of how many draft tokens the device accepted [1] (read with the verdict: `cursor.check`)
+        and of the chain's Tops [size, 3 k + 1] (its nodes' values: `OnDevice.values`)."""
         cache, rows = self.cache, bucket(1 + chain.size)
         if chain.plan is not self.plan:
             self.plan, self.made = chain.plan, {}
@@ -131,15 +130,6 @@ class SkipSteps:
         end = 1 + rows * width(VERIFY_TOP)
         return (Top(host[1:end].view(rows, -1), VERIFY_TOP), event, host[:1],
                 host[end : end + chain.size * width(VERIFY_TOP)].view(chain.size, -1))
-
-
-def check(accepted: list[float], path: list[int]) -> None:
-    """After the step's read: the device accepted (`SkipSteps.launch`'s count, as read) the draft tokens the host's
-    verdict did (its `path`), and so wrote what the host decoded; else a one-line error (the steps chained after it
-    would start where the host's tokens do not)."""
-    if int(accepted[0]) != len(path):
-        raise SpecGUIError(f"the device accepted {int(accepted[0])} draft tokens of a layer-skip step, the host "
-                           f"{len(path)}: a bug, please report it")
 
 
 def warm_up(cache: StaticKVCache, sizes: range) -> None:

@@ -31,6 +31,12 @@ Where the slots ride (`carry`):
     `Extras`; their keys are dropped afterwards). When the whole chain is accepted and slot 1 guessed
     the target's bonus token, the slots' chain is the next draft for free; otherwise the next step
     falls back to its own draft forward. One full forward a step while drafts keep being accepted.
+  * carry = true on the device's path (the fast path under greedy decoding, the whole vocabulary): the device drafts
+    the carried chain itself at the step's launch (`fastpath.SlotSteps`: the chain cut on the device, the slots'
+    starting tokens looked up there), so that step t + 1 is launched before step t is read. Its verify carries the
+    chain's planned size whatever stands (the rows past the cut seen by none), and a chain that breaks restarts as a
+    step drafting nothing that carries slots (in place of an own draft forward: the same forwards and tokens, as the
+    break's price assumes); the step's tokens and guesses come back with its verdict (`_decide`).
 
 Slot tokens, beyond the paper (which starts every slot as a copy of the anchor): the slots start from a guess
 where the text offers one, what followed the longest n-gram (up to 4 tokens) ending at the anchor where it occurred
@@ -53,6 +59,7 @@ whose starting token the first fractal layer guessed too, on the eager CPU path)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -64,12 +71,13 @@ import torch
 
 from specgui import fastpath
 from specgui.costs import DeviceClock, beside_forward_ms, interpolate
-from specgui.draft import Draft, Extras, Outcome, Rider
+from specgui.draft import Draft, Extras, OnDevice, Outcome, Rider, SlotChain
 from specgui.errors import SpecGUIError
 from specgui.kvcache import KVCache, read_together
 from specgui.methods.base import DecodeState, Drafter, register
 from specgui.methods.compress import BACKENDS, CompressedModel, compressed_copy
 from specgui.methods.pld import NgramIndex
+from specgui.methods.policy import Plan as Sizing
 from specgui.methods.policy import SizedParams
 from specgui.params import param
 from specgui.runner import VERIFY_TOP, Pass, Runner
@@ -82,6 +90,7 @@ from specgui.vocab import DraftVocab
 # the target's forward 38.4, 40.9, 46.6): scaled by the target's growth, Fractal was predicted 1.32-1.34x on the
 # long summarization and rag prompts and measured 1.22-1.24x.
 PASS_CONTEXTS = (128, 512)
+SLOT_NGRAMS = (1, 4)  # the n-grams (shortest, longest) whose continuation the slots start from (`Fractal._held`)
 
 
 @dataclass(frozen=True)
@@ -302,6 +311,9 @@ class SpliceProgram:
     plan: Plan
     exact: int
     parts: tuple[torch.Tensor, ...]  # the guesses of a fractal layer each, as the step's verdict read brings them
+    # where the slots' anchor is a device value (`anchored`): it [1], and the rows of slots 1..w-1 after it
+    anchor: torch.Tensor | None = None
+    following: torch.Tensor | None = None
 
     @classmethod
     def of(cls, plan: Plan, cache: KVCache, exact: int) -> SpliceProgram | None:
@@ -315,9 +327,17 @@ class SpliceProgram:
         return None if region is None else cls(plan, exact,
                                                 tuple(region[k * w : (k + 1) * w] for k in range(len(plan.layers))))
 
+    def anchored(self, anchor: torch.Tensor) -> SpliceProgram:
+        """This splice where the row the slots continue is `anchor` [1] (a device value, set before each run), not the
+        last of the `exact` rows: a carried step's forward carries its chain's whole size, of which only the first
+        tokens may stand (`fastpath.SlotSteps`)."""
+        w, device = self.plan.window, anchor.device
+        return dataclasses.replace(self, anchor=anchor,
+                                   following=torch.arange(self.exact, self.exact + w - 1, device=device))
+
     @property
     def key(self) -> tuple[Any, ...]:
-        return id(self.plan.compressed), self.plan.layers, self.plan.window, self.exact
+        return id(self.plan.compressed), self.plan.layers, self.plan.window, self.exact, self.anchor is not None
 
     @property
     def layers(self) -> frozenset[int]:
@@ -330,7 +350,9 @@ class SpliceProgram:
     def inside(self, layer: int, h: torch.Tensor, run: fastpath.RunLayers) -> torch.Tensor:
         comp, w, exact = self.plan.compressed, self.plan.window, self.exact
         x = run(h, range(layer, self.plan.runner.num_layers), comp.layers, None)
-        guesses = comp.logits(x[0, exact - 1 : exact - 1 + w]).argmax(-1)  # the anchor's and slots 1..w-1's rows
+        rows = (x[0, exact - 1 : exact - 1 + w] if self.anchor is None  # the anchor's and slots 1..w-1's rows
+                else x[0].index_select(0, torch.cat([self.anchor, self.following])))
+        guesses = comp.logits(rows).argmax(-1)
         self.parts[self.plan.layers.index(layer)].copy_(guesses)
         y = run(comp.embed(guesses.view(1, -1)), range(layer), comp.layers, (exact, w))
         return torch.cat([h[:, :exact], y.to(h.dtype), h[:, exact + w :]], dim=1)
@@ -430,6 +452,12 @@ class Fractal(Drafter):
             # count of exact rows a forward can carry (a restart's one, up to a verify's pending token + w + 1)
             self.programs.update({exact: SpliceProgram.of(self.plan, state.cache, exact) for exact in range(1, w + 3)})
             fastpath.warm_up(state.cache, hooks=[hook for hook in self.programs.values() if hook is not None])
+        # carried steps drafted on the device at the launch (`fastpath.SlotSteps`): on the device's path, carrying,
+        # over the whole vocabulary; their programs made untimed, a chain's every size
+        self.on_device = (state.unread and self.params.carry and not self.params.draft_vocab
+                          and all(self.programs.get(1 + size) is not None for size in range(1, w + 1)))
+        if self.on_device:
+            fastpath.slots.warm_up(state.cache, [self._slot_chain(size, True) for size in range(1, w + 1)])
 
     def begin(self, state: DecodeState) -> None:
         self.carried: list[int] = []  # next draft, produced by the previous verify forward's slots
@@ -441,11 +469,16 @@ class Fractal(Drafter):
         # sizes count slot tokens: a restart's draft adds the exact token its own forward read off in front
         self.policy = self.sizing(state, range(1, self.plan.window + 1))
         self.vocab = DraftVocab.of(self.runner, self.params.draft_vocab, state.tokens)
-        self.index = NgramIndex(1, 4)
+        self.index = NgramIndex(*SLOT_NGRAMS)
         self.index.update(state.tokens)  # the prompt; the output as it comes, beside the forwards (`after_launch`)
+        self.chaining = False  # on the device: whether the step before carried slots (else the next chain restarts)
+        self.stood: list[int] = []  # on the device: the latest chain's standing tokens, once read (`_decide`)
+        self.guessed: list[list[int]] | None = None  # and its slots' guesses, each fractal layer's
+        self.previous: list[list[int]] | None = None  # the guesses of the slots that chain came from
 
     def draft(self, state: DecodeState) -> Draft:
-        """The carried chain, or one from an own draft forward, cut to the size the cost model picks."""
+        """The carried chain, or one from an own draft forward, cut to the size the cost model picks (on the device's
+        path the chain the device carries, `_device_draft`)."""
         self.splices = []
         self.carrying = None
         depth, w = state.max_depth, self.plan.window
@@ -462,12 +495,15 @@ class Fractal(Drafter):
         # (All of it but the verify is the method's own work, priced by the profile: `step_ms` corrects it.)
         priced, self.priced = self.priced, None  # beside the forward before, where it ran (`after_launch`)
         own = priced.own if priced is not None else self._own_ms(state)
-        limit = max(0, min(depth - restart, w if restart else len(self.carried)))
+        # on the device the chain is cut there: the plan's size verifies whatever stands
+        limit = max(0, min(depth, w) if self.on_device else min(depth - restart, w if restart else len(self.carried)))
         # (on the device's path the plan was chosen ahead, `after_launch`: priced only where chosen now)
         sizing = self.policy.sized(state.unread, lambda: (self._cost(state, own), state.plain_ms()), limit)
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
-            self.sized = 0
+            self.sized, self.chaining = 0, False
             return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})
+        if self.on_device:
+            return self._device_draft(state, sizing, priced)
         if restart:
             tokens, origin = self._draft_forward(state)  # [exact token, chain...]
             source, paid = "draft forward", own
@@ -512,14 +548,48 @@ class Fractal(Drafter):
         restart's draft forward and the compressed passes of every verify the next draft may send priced here, at this
         step's context (`_Priced`), not between the verdict's read and the next launch. On every path the n-gram index
         of the slots' starting tokens learns the text so far here (`_held`: the next draft finds the last verdict's
-        n-grams a step late)."""
-        self.index.update(state.tokens)
+        n-grams a step late; on the device the slots start from the device's lookup instead)."""
+        if not self.on_device:
+            self.index.update(state.tokens)
         if state.unread:
             w = self.plan.window
             slots = range(1 + w, 3 + 2 * w) if self.params.carry else ()  # (a verify carries slots only carrying)
             self.priced = _Priced(self._own_ms(state), {rows: self._passes_ms(state, rows) for rows in slots})
             self.policy.plan_ahead(self._cost(state, self.priced.own), state.plain_ms(),
                                    max(0, min(state.max_depth - 1, w)))
+
+    def ahead(self, state: DecodeState) -> Draft | None:
+        """A paused step (plain); or, on the device, where the next step's plan drafts (chosen in `after_launch`), its
+        carried chain, made on the device from what this step leaves there whatever its verdict (`SlotChain`)."""
+        promise = super().ahead(state)
+        planned = self.policy.next
+        if promise is not None or not self.on_device or planned is None or planned[0].size == 0:
+            return promise
+        return Draft(device_draft=self._slot_chain(planned[0].size, False))
+
+    def _slot_chain(self, size: int, restart: bool) -> SlotChain:
+        return SlotChain(size, self.plan.window, SLOT_NGRAMS, restart, self.programs[1 + size])
+
+    def _device_draft(self, state: DecodeState, sizing: Sizing, priced: _Priced | None) -> Draft:
+        """A step drafting `sizing.size` tokens of the carried chain on the device (`fastpath.SlotSteps`): a restart
+        (nothing stands) after a step that carried no slots. Its tokens and their slots' guesses are read with the
+        verdict (`_decide`)."""
+        made = self._slot_chain(sizing.size, not self.chaining)
+        self.sized, self.chaining = sizing.size, True
+        passes = (priced.passes[made.rows] if priced is not None and made.rows in priced.passes
+                  else self._passes_ms(state, made.rows))
+        return Draft(on_device=OnDevice(made.size, None, None, self._decide, list(range(made.size))),
+                     device_draft=made, cost_ms=passes, info={**self._info(), "plan": sizing.to_dict()})
+
+    def _decide(self, values: list[float]) -> tuple[list[int], list[bool], list[float]]:
+        """A carried step's draft from its read (`SlotSteps.launch`'s values: how many stood, the chain, each fractal
+        layer's slot guesses): the chain's tokens, the standing ones valid."""
+        size, w = self.sized, self.plan.window
+        stood, chain = int(values[0]), [int(v) for v in values[1 : 1 + size]]
+        self.stood = chain[:stood]
+        self.guessed = [[int(v) for v in values[1 + size + k * w : 1 + size + (k + 1) * w]]
+                        for k in range(len(self.plan.layers))]
+        return chain, [i < stood for i in range(size)], [1.0] * size
 
     def pieces(self) -> list[fastpath.Piece]:
         """The target's stretches between hooks (`Splice.layers`), and at each fractal layer i the upper pass
@@ -576,6 +646,11 @@ class Fractal(Drafter):
             keep = bool(self.carried) and self.carried[0] == outcome.token
             self.carried, self.carried_origin = (self.carried[1:], self.carried_origin[1:]) if keep else ([], [])
             return self._times()
+        if self.on_device:  # the chain stood as the device cut it; its origins from the slots it came from
+            self.policy.learn(outcome.path, len(self.stood), len(self.stood) < self.sized)
+            came, self.previous = self.previous, self.guessed
+            origin = self._origins(self.stood, 2, came) if self.stood and came else []
+            return {"origin": origin, "source": "carried" if self.stood else "restart", **self._times()}
         # a restart's first token is exact (its own forward's target row): not evidence of the slots' acceptance
         path = [node - 1 for node in outcome.path if node > 0] if self.exact_first else outcome.path
         if self.exact_first and outcome.path[:1] != [0]:
