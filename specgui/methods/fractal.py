@@ -47,14 +47,14 @@ exact where the copy's are approximate. A right guess saves a lower pass of i co
 model's CPU preset (fractal layers 27, 28) most of the copy: held-out prompts (7 x 64 tokens, 2 repeats, AMD EPYC,
 2026-11-27) went from 1.37x to 1.49x over the same steps. Slot rows never feed exact rows, so the output is unchanged.
 
-Payloads: "fractal_layers", "origin" (per draft node, the fractal layer from which its slot guess no
-longer changed; num_layers when only the target's final head proposed it), "source" ("carried" or
-"draft forward"), and the time split "compressed_ms" (compressed passes) / "target_ms" (the target's
-own layers in the same forwards) with their per-pass "cost_ratio"; the compressed time itself split into "upper_ms"
-(the copy's upper layers and head: guessing the slots) and "lower_ms" (its lower layers: re-embedding them), which
-on the embedded model's CPU preset is most of it; "lower_reused" (lower passes that went on
-from the previous fractal layer's or from the target's own slot rows, `Splice._kept`) and "slots_started_right" (slots
-whose starting token the first fractal layer guessed too, on the eager CPU path).
+Payloads: "fractal_layers", "origin" (per draft node, the fractal layer from which its slot guess no longer changed;
+num_layers when only the target's final head proposed it), "source" ("carried", "draft forward", or on the device
+"restart": a step that drafted nothing and carried slots), and the time split "compressed_ms" (compressed passes) /
+"target_ms" (the target's own layers in the same forwards) with their per-pass "cost_ratio"; the compressed time
+itself split into "upper_ms" (the copy's upper layers and head: guessing the slots) and "lower_ms" (its lower
+layers: re-embedding them), which on the embedded model's CPU preset is most of it; "lower_reused" (lower passes
+that went on from the previous fractal layer's or from the target's own slot rows, `Splice._kept`) and
+"slots_started_right" (slots whose starting token the first fractal layer guessed too, on the eager CPU path).
 """
 
 from __future__ import annotations
