@@ -508,11 +508,7 @@ def _verify_forward(state: DecodeState, draft: Draft
     extras = draft.extras
     visibility = None if draft.is_chain else draft.visibility()
     if extras is not None:
-        t = len(tokens) + len(extras.tokens)
-        full = np.zeros((t, t), dtype=bool)
-        full[: len(tokens), : len(tokens)] = draft.visibility() if visibility is None else visibility
-        full[len(tokens) :] = extras.visibility
-        visibility = full
+        visibility = extras.block(draft)
         tokens += extras.tokens
         positions += extras.positions
     n = 1 + len(draft)

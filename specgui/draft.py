@@ -41,11 +41,61 @@ class Extras:
     @staticmethod
     def beside(block: np.ndarray, nodes: int) -> np.ndarray:
         """`visibility` for extras that see the pending token and, among themselves, `block` [E, E]: no draft node
-        (host work, in numpy: uploaded with the pass's inputs)."""
-        visible = np.zeros((len(block), 1 + nodes + len(block)), dtype=bool)
-        visible[:, 0] = True
-        visible[:, 1 + nodes :] = block
-        return visible
+        (host work, in numpy: uploaded with the pass's inputs). Made once a pair (read-only) where `block` is made once
+        a shape (read-only)."""
+        return _beside(block, nodes) if block.flags.writeable else _shared(_beside, block, nodes)
+
+    def block(self, draft: Draft) -> np.ndarray:
+        """The verify block's visibility [T, T], T = 1 + N + E: `draft`'s tree, then these extras' rows. Made once a
+        pair (read-only) where both are made once a shape (read-only, as `Draft.visibility`'s and the drafters'
+        extras'): it is host work between a verdict's read and the next launch, where a GPU waits for the host."""
+        tree = draft.visibility()
+        return (_block(tree, self.visibility) if self.visibility.flags.writeable
+                else _shared(_block, tree, self.visibility))
+
+
+def _beside(block: np.ndarray, nodes: int) -> np.ndarray:
+    visible = np.zeros((len(block), 1 + nodes + len(block)), dtype=bool)
+    visible[:, 0] = True
+    visible[:, 1 + nodes :] = block
+    return visible
+
+
+def _block(tree: np.ndarray, extras: np.ndarray) -> np.ndarray:
+    n, t = len(tree), len(tree) + len(extras)
+    full = np.zeros((t, t), dtype=bool)
+    full[:n, :n] = tree
+    full[n:] = extras
+    return full
+
+
+class _Same:
+    """A read-only array as a cache key, by identity: a cache entry holds it, so that no other array takes its
+    identity while the entry lives."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __hash__(self) -> int:
+        return id(self.array)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.array is self.array
+
+
+def _shared(make: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
+    """`make(*args)`, made once for the same arguments (arrays by identity: read-only ones made once a shape), and
+    read-only."""
+    return _made(make, *(_Same(a) if isinstance(a, np.ndarray) else a for a in args))
+
+
+@functools.lru_cache(maxsize=512)
+def _made(make: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
+    made = make(*(a.array if isinstance(a, _Same) else a for a in args))
+    made.flags.writeable = False
+    return made
 
 
 @dataclass

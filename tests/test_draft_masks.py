@@ -10,6 +10,7 @@ import pytest
 
 from helpers import tiny_model
 from specgui import methods
+from specgui.draft import Draft, Extras
 from specgui.methods.lookahead import window_visibility
 from specgui.methods.selfdraft import branch_block
 from specgui.sampling import GREEDY
@@ -66,7 +67,9 @@ def test_selfdraft_extras_place_the_cached_block_after_the_candidates():
         assert extras.tokens == [5, 6, 7, 8, 9, 10] and extras.positions == [21, 22, 23, 21, 21, 22]
         assert extras.visibility[:, 0].all() and not extras.visibility[:, 1 : 1 + nodes].any()
         assert np.array_equal(extras.visibility[:, 1 + nodes :], block)
-        assert extras.visibility.flags.writeable  # the step's own array, not the cached block
+        # made once a shape, read-only (`Extras.beside`): the next step of the same shape reads the same array
+        assert not extras.visibility.flags.writeable
+        assert drafter._extras(committed=20, nodes=nodes).visibility is extras.visibility
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 15])
@@ -74,5 +77,21 @@ def test_selfdraft_extras_place_the_cached_block_after_the_candidates():
 def test_window_visibility_equals_its_definition(width, levels):
     for nodes in (0, 1, 30):
         visible = window_visibility(width, levels, nodes)
-        assert visible.dtype == bool and visible.flags.writeable
+        assert visible.dtype == bool and not visible.flags.writeable  # made once a shape (`Extras.beside`)
+        assert window_visibility(width, levels, nodes) is visible
         assert np.array_equal(visible, window_mask(width, levels, nodes))
+
+
+def test_the_verify_blocks_visibility_is_the_trees_then_the_extras_made_once_a_pair():
+    """`Extras.block`: the tree's visibility in the top-left corner, the extras' rows below it, nothing else; the same
+    array for the same (read-only, made once a shape) pair, a fresh one for an extras' visibility of a step's own."""
+    draft, causal = Draft(tokens=[1, 2, 3], parents=[-1, 0, -1]), np.tri(2, dtype=bool)
+    causal.flags.writeable = False  # made once a shape, as a drafter's blocks are
+    extras = Extras(tokens=[7, 8], positions=[5, 6], visibility=Extras.beside(causal, 3))
+    assert Extras.beside(causal, 3) is extras.visibility and Extras.beside(np.tri(2, dtype=bool), 3).flags.writeable
+    block = extras.block(draft)
+    assert block.shape == (6, 6) and not block[:4, 4:].any()
+    assert np.array_equal(block[:4, :4], draft.visibility()) and np.array_equal(block[4:], extras.visibility)
+    assert extras.block(Draft(tokens=[4, 5, 6], parents=[-1, 0, -1])) is block  # same shapes: the same array
+    own = Extras(tokens=[7, 8], positions=[5, 6], visibility=np.array(extras.visibility))  # writable: a step's own
+    assert np.array_equal(own.block(draft), block) and own.block(draft) is not own.block(draft)
