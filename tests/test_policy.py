@@ -89,6 +89,29 @@ def test_each_regime_learns_its_own_curve_and_prices_the_step_after_it():
     assert 1 < single.expected(4) < 3  # one curve: the average of both
 
 
+def test_a_verdict_learnt_later_is_folded_in_with_its_own_plan_before_the_next_choice():
+    """`learn(later=True)` (on the device's path, from `observe`) folds a verdict in only when the next plan is chosen
+    (`plan_ahead`, beside the next forward), after the next draft took its plan: with the plan it was drafted under
+    (its regime), so that the plans chosen and the curves learnt are those of folding every verdict in at once. Over
+    streaks and misses, whose verdicts move the regime from step to step."""
+    cost = lambda n: 10.0 + n  # noqa: E731
+
+    def run(later: bool) -> tuple[list[tuple[int, str, int]], list[dict[int, float]]]:
+        policy, plans = DraftPolicy(range(1, 5)), []
+        for step in range(40):
+            plan = policy.take(lambda: (cost, 10.0), 4)  # the draft takes the plan chosen ahead
+            plans.append((plan.size, plan.mode, plan.regime))
+            policy.plan_ahead(cost, 10.0, 4)  # beside the forward: a verdict learnt later is folded in first
+            accepted = plan.size if step % 5 < 3 else step % 2  # streaks, then misses
+            policy.learn(list(range(accepted)), plan.size, False, later=later)  # observe
+        policy.plan_ahead(cost, 10.0, 4)  # the next step's turn: the last verdict in too
+        return plans, policy.sums
+
+    plans, sums = run(later=True)
+    assert (plans, sums) == run(later=False)
+    assert len({regime for _, _, regime in plans}) > 1 and any(mode == "draft" for _, mode, _ in plans)
+
+
 def test_untried_sizes_are_capped_by_the_slope_below_them():
     policy = DraftPolicy([1, 2, 4])
     for _ in range(40):

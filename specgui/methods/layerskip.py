@@ -391,8 +391,9 @@ class LayerSkipDrafter(Drafter):
         if not outcome.prefill and self.chain is not None:
             self.exit.update(outcome.accepted, len(self.chain.tokens), self.chain.reason)
             # sized by chain length: the path's depth counts (a tree's siblings share their chain position)
+            # (on the device's path folded in when the next plan is chosen, beside the next forward)
             self.policy.learn(range(len(outcome.path)), len(self.chain.tokens),
-                              exhausted=self.chain.reason == "threshold")
+                              exhausted=self.chain.reason == "threshold", later=state.unread)
         return {**payload, **self.learn(state, outcome)}
 
     def vocab_payload(self, outcome: Outcome) -> dict[str, Any]:

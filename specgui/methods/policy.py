@@ -61,6 +61,7 @@ import bisect
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specgui.params import param
 
@@ -140,6 +141,7 @@ class DraftPolicy:
         self.held = False  # the last plan was a pause served whole (not settled: it was no drafting step)
         self.next: tuple[Plan, bool] | None = None  # chosen ahead (`plan_ahead`): the next step's plan and `held`
         self.planned: tuple[Plan, bool] | None = None  # the step's plan as `take` gave it: what `learn` folds it in as
+        self.unlearnt: tuple[Any, ...] | None = None  # a verdict `learn` was told to fold in `later`, with its plan
         self.prices: tuple[object, dict[int, float]] | None = None  # priced ahead (`price_ahead`): shape, size -> ms
         self.tokens = self.cost = 0.0  # drafting as a whole: decayed tokens, and price in plain steps (`settle`)
         self.priors: tuple[float, dict[int, float]] = (-1.0, {})  # (alpha, each size's `_geometric` at it)
@@ -192,6 +194,7 @@ class DraftPolicy:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
         most the drafter can offer now (a lookup's length, the tokens left in the budget); `shape`, the draft's
         besides its size, where the sizes were priced ahead for it (`price_ahead`)."""
+        self._fold()
         cost = self._ahead(cost, shape)
         sizes = [n for n in self.sizes if limit is None or n <= limit]
         self.held = self.whole_pauses and self.left > 0 and self.pausing is not None  # served whole, offer or none
@@ -315,15 +318,33 @@ class DraftPolicy:
         return (self.stands > 0 and self.standing is not None) or (self.whole_pauses and self.left > 0
                                                                    and self.pausing is not None)
 
-    def learn(self, path: Sequence[int], verified: int, exhausted: bool, emitted: int = 0, priced: float = 0.0) -> None:
+    def learn(self, path: Sequence[int], verified: int, exhausted: bool, emitted: int = 0, priced: float = 0.0,
+              later: bool = False) -> None:
         """Fold one verdict into the curve of the regime it was drafted in, and move to the regime it leaves:
         `path` the accepted nodes (in draft order), `verified` the nodes drafted (0: a step that drafted
         nothing), `exhausted` whether a larger size would have drafted nothing more. Every verdict ages the
         evidence of every size, so what no step re-checks (a size above the ones drafted lately) drifts back
         to the prior instead of locking that size out for good after one bad verdict. `emitted` and `priced`: the
-        step's tokens and its price in plain steps (`Outcome.priced`), which `settle` weighs."""
-        if self.planned is not None:  # taken (`take`): the step's own regime and `held`, not the next plan's
-            plan, self.held = self.planned
+        step's tokens and its price in plain steps (`Outcome.priced`), which `settle` weighs.
+        `later`: folded in only when the next plan is chosen (`choose`), with the plan this step was taken as: on the
+        device's path, where the next draft takes a plan chosen ahead, that is beside the next forward
+        (`plan_ahead`), not between this verdict's read and the next launch, where a GPU waits for the host."""
+        self._fold()
+        if later:
+            self.unlearnt = (self.planned, path, verified, exhausted, emitted, priced)
+            return
+        self._learn(self.planned, path, verified, exhausted, emitted, priced)
+
+    def _fold(self) -> None:
+        """A verdict `learn` was told to fold in later, folded in now."""
+        if self.unlearnt is not None:
+            unlearnt, self.unlearnt = self.unlearnt, None
+            self._learn(*unlearnt)
+
+    def _learn(self, planned: tuple[Plan, bool] | None, path: Sequence[int], verified: int, exhausted: bool,
+               emitted: int, priced: float) -> None:
+        if planned is not None:  # taken (`take`): the step's own regime and `held`, not the next plan's
+            plan, self.held = planned
             self.regime = plan.regime
         if priced > 0:
             self.settle(emitted, priced)

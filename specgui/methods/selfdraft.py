@@ -227,7 +227,8 @@ class SelfDraft(Drafter):
 
     def observe(self, state: DecodeState, outcome: Outcome) -> dict[str, Any]:
         if not outcome.prefill:
-            self.policy.learn(outcome.path, self.verified, self.exhausted)
+            # (on the device's path folded in when the next plan is chosen, beside the next forward)
+            self.policy.learn(outcome.path, self.verified, self.exhausted, later=state.unread)
         if outcome.extra_tokens is not None:
             self._advance_branches(outcome.extra_tokens)
         if outcome.prefill and self.params.use_context:  # the prompt, before the first draft; the output a step late
