@@ -5,8 +5,9 @@
     repeat:  1. draft    the method proposes a token tree (maybe with ride-along tokens)
              2. launch   one target forward over [pending] + tree (+ extras); the drafter learns what the next draft
                          does without (`after_launch`); and where the device can make the next step's draft whatever
-                         this one's verdict (`ahead`: a plain step, a prompt lookup, a layer-skip chain), its forward
-                         too, chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`, `SlotSteps`)
+                         this one's verdict (`ahead`: a plain step, a prompt lookup, a layer-skip or carried chain),
+                         its forward too, chained on the device (`fastpath.PlainSteps`, `LookupSteps`, `SkipSteps`,
+                         `SlotSteps`)
              3. event    the step before's: the cost model learns it, its text is built, its Step goes out
              4. read     the verifier reads the forward's verdict
              5. accept   the verifier keeps a path and adds its own token
@@ -22,12 +23,12 @@ a run that stops launches nothing past its last step, but for a chained step aft
 launched; its keys are past the end).
 
 Pipelined, on the fast path and greedy, plain steps (plain decoding's, and a paused method's while its pause is known
-ahead), prompt lookup's and layer-skip chains chain on the device: step t + 1 is launched before step t is read, its
-token (and its lookup's n-gram, its draft chain) what step t's program left on the device, and step t's verdict comes
-back through a pinned host row and an event, so that the device never waits for the host's work on a step. Such a step
-is drafted at its turn on the host, as any step (a prompt lookup's draft checked against the device's when the step is
-read; a layer-skip chain's tokens read with the verdict, as any unread draft's, and the device's acceptance checked
-against the host's), so events are unchanged.
+ahead), prompt lookup's, layer-skip chains and Fractal's carried chains chain on the device: step t + 1 is launched
+before step t is read, its token (and its lookup's n-gram, its draft chain, its carried slots) what step t's program
+left on the device, and step t's verdict comes back through a pinned host row and an event, so that the device never
+waits for the host's work on a step. Such a step is drafted at its turn on the host, as any step (a prompt lookup's
+draft checked against the device's when the step is read; a layer-skip or carried chain's tokens read with the
+verdict, as any unread draft's, and the device's acceptance checked against the host's), so events are unchanged.
 
 Timing covers only the time spent inside this generator: whatever a consumer does between events
 (rendering, printing) never counts against a method. On CUDA no phase boundary synchronises: the clock's marks are

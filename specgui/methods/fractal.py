@@ -568,6 +568,7 @@ class Fractal(Drafter):
         return Draft(device_draft=self._slot_chain(planned[0].size, False))
 
     def _slot_chain(self, size: int, restart: bool) -> SlotChain:
+        """The carried chain the device drafts, of `size` tokens (none standing where it `restart`s)."""
         return SlotChain(size, self.plan.window, SLOT_NGRAMS, restart, self.programs[1 + size])
 
     def _device_draft(self, state: DecodeState, sizing: Sizing, priced: _Priced | None) -> Draft:
