@@ -10,7 +10,8 @@ so one forward checks the whole tree and also carries work the drafter wants don
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +107,9 @@ class OnDevice:
     Why: on a GPU every read of a device value stalls the host, and a model-drafted token is known only on the
     device. A drafter on the fast path drafts a fixed shape without reading (a chain of the size the policy chose,
     SWIFT's widest tree) and leaves the cut to the values: once the read is in, `decide` (host work over the read
-    `values`) says each node's token, whether it stands (a chain's first token under the draft-exit threshold ends
-    it; a sibling beyond its position's width), and its draft probability. The verify forward carries every node;
+    `values`, between the read and the next launch: it visits only what stands) says which nodes stand (a chain's
+    first token under the draft-exit threshold ends it; a sibling beyond its position's width does not), their tokens
+    and their draft probabilities. The verify forward carries every node;
     `Draft.settle` then keeps the valid ones, so the draft the step shows and the tokens it emits are those a
     drafter reading every token would have made. `spine` lists the nodes of the drafted chain (the others are its
     siblings)."""
@@ -116,7 +118,8 @@ class OnDevice:
     tokens: torch.Tensor | None  # [N] ids (any dtype that holds them exactly) for the verify forward to place; None:
     # already where it reads them (a chained draft put them there: `fastpath.chain`)
     values: torch.Tensor | None  # float32, read with the verdict (None until the launch, for a `SkipChain`'s)
-    decide: Callable[[list[float]], tuple[list[int], list[bool], list[float]]]  # read values -> tokens, valid, probs
+    decide: Callable[[list[float]], tuple[list[int], list[int], list[float]]]  # read values -> the standing nodes
+    # (ascending), their tokens, their draft probabilities
     spine: list[int]
 
     def packed(self) -> torch.Tensor:
@@ -237,15 +240,12 @@ class Draft:
         """Keep the valid nodes of an `on_device` draft, from the step's read of `OnDevice.packed` (`OnDevice.decide`
         reads it): tokens, parents renumbered among the kept nodes (a kept node's parent is kept), `rows` and
         `confidences`."""
-        n = len(self.parents)
-        tokens, valid, confidences = self.on_device.decide(values)
-        kept = [i for i in range(n) if valid[i]]
+        kept, tokens, confidences = self.on_device.decide(values)
         index = {old: new for new, old in enumerate(kept)}
-        spine = set(self.on_device.spine)
-        self.spine = [index[i] for i in kept if i in spine]
-        self.tokens = [int(tokens[i]) for i in kept]
+        self.spine = [index[i] for i in self.on_device.spine if i in index]  # (both ascending)
+        self.tokens = tokens
         self.parents = [index.get(self.parents[i], -1) for i in kept]
-        self.rows, self.confidences, self.on_device = kept, [confidences[i] for i in kept], None
+        self.rows, self.confidences, self.on_device = kept, confidences, None
 
     @property
     def is_chain(self) -> bool:
@@ -255,13 +255,10 @@ class Draft:
         """Depth of each node below the pending token (a root child has depth 1)."""
         return list(_tree(tuple(self.parents))[1])
 
-    def children(self) -> dict[int, list[int]]:
-        """Node -> children in preference order; key -1 is the pending token."""
-        kids: dict[int, list[int]] = {-1: []}
-        for i, p in enumerate(self.parents):
-            kids.setdefault(p, []).append(i)
-            kids.setdefault(i, [])
-        return kids
+    def children(self) -> Mapping[int, tuple[int, ...]]:
+        """Node -> children in preference order; key -1 is the pending token. Read-only, made once a shape (the
+        verifier walks it right after the verdict's read, where a GPU waits for the host)."""
+        return _children(tuple(self.parents))
 
     def visibility(self) -> np.ndarray:
         """[1 + N, 1 + N] tree attention: each token sees the pending token, its ancestors and itself (host work, in
@@ -275,6 +272,15 @@ class Draft:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _children(parents: tuple[int, ...]) -> Mapping[int, tuple[int, ...]]:
+    kids: dict[int, list[int]] = {-1: []}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+        kids.setdefault(i, [])
+    return types.MappingProxyType({node: tuple(nodes) for node, nodes in kids.items()})
 
 
 @functools.lru_cache(maxsize=256)

@@ -9,7 +9,8 @@ each program, which is what the device waits for. So it is timed, on whatever de
   step's (the consumer's time between events is not the loop's), less the time inside its programs
   (`fastpath.Program.__call__`: on a CPU the call, on a GPU the replay's time on the device, from CUDA events).
 - `critical_ms`: the part of it a GPU waits for: from the moment the verdict before was readable on the host (the
-  loop's `verify` returned) to the launch of the next forward pass's first program, less the programs run between
+  verifier's read of the device returned: its walk down the draft, accepting, is host work the device waits for) to
+  the launch of the next forward pass's first program, less the programs run between
   (on a CPU their calls: a tree's keeper, which moves the accepted keys, is device work a GPU runs while the host goes
   on; on a GPU only their launches are in the gap). A loop that launches step t+1
   before it finishes step t's host work leaves less of it; a step chained on the device (`fastpath.PlainSteps`,
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from specgui import decode, fastpath
+from specgui import verify as verifier
 from specgui.events import Step
 from specgui.loading import LoadedModel
 from specgui.runner import Runner
@@ -105,7 +107,7 @@ class _Recorder:
 @contextmanager
 def _recording(cuda: bool) -> Iterator[_Recorder]:
     rec = _Recorder(cuda)
-    call, new_pass, verify = fastpath.Program.__call__, Runner.new_pass, decode.verify
+    call, new_pass, read_together = fastpath.Program.__call__, Runner.new_pass, verifier.read_together
 
     def timed_call(program: fastpath.Program) -> torch.Tensor:
         if rec.depth:
@@ -133,10 +135,10 @@ def _recording(cuda: bool) -> Iterator[_Recorder]:
         rec.pass_open = True
         return new_pass(runner, *args, **kwargs)
 
-    def read(*args: Any, **kwargs: Any) -> Any:
-        verdict = verify(*args, **kwargs)
+    def read(parts: list[torch.Tensor]) -> list[float]:
+        values = read_together(parts)
         rec.read()
-        return verdict
+        return values
 
     def launched(*args: Any, ahead: bool = False, **kwargs: Any) -> Any:
         if ahead:  # what it needs is on the device: this launch waits for no read
@@ -144,11 +146,13 @@ def _recording(cuda: bool) -> Iterator[_Recorder]:
         return launch(*args, ahead=ahead, **kwargs)
 
     launch = decode._launch
-    fastpath.Program.__call__, Runner.new_pass, decode.verify, decode._launch = timed_call, opened, read, launched
+    fastpath.Program.__call__, Runner.new_pass, verifier.read_together, decode._launch = (timed_call, opened, read,
+                                                                                           launched)
     try:
         yield rec
     finally:
-        fastpath.Program.__call__, Runner.new_pass, decode.verify, decode._launch = call, new_pass, verify, launch
+        fastpath.Program.__call__, Runner.new_pass, verifier.read_together, decode._launch = (call, new_pass,
+                                                                                               read_together, launch)
 
 
 def measured_run(lm: LoadedModel, prompt_ids: list[int], method: str, **kwargs: Any

@@ -15,7 +15,7 @@ A fully accepted path ends with a bonus token drawn from p at its leaf.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,29 +64,33 @@ def verify(logits: torch.Tensor | Top, draft: Draft, sampling: Sampling, generat
     for rider in reversed(riders):
         start = end - rider.device.numel()
         rider.values, end = values[start:end], start
-    values = values[:end]
+    # from here on host work the device waits for: rows are read as the walk asks (a tree's rows are many, its path
+    # a few), and the tree's shape is made once (`Draft.children`)
     rows, width = len(target), target.packed.shape[1]
-    best = target.choices(values)
-    margins = [values[r * width + width - 1] for r in range(rows)]
+
+    def best(row: int) -> int:
+        return int(values[row * width])
+
     extras = len(extra) if extra is not None else 0
     done = rows * width
     extra_tokens = [int(v) for v in values[done : done + extras]] if extra is not None else None
     if extra_rows is not None:
-        extra_tokens = [best[1 + len(draft) + r] for r in extra_rows]
+        extra_tokens = [best(1 + len(draft) + r) for r in extra_rows]
     if draft.on_device is not None:
-        draft.settle(values[done + extras :])
+        draft.settle(values[done + extras : end])
     children = draft.children()
     path, token, corrected = (_greedy(best, draft, children) if sampling.greedy
                               else _sample(logits, draft, children, sampling, generator))
-    kept = [margins[draft.block_row(node)] for node in [-1, *path]]
+    kept = [values[draft.block_row(node) * width + width - 1] for node in [-1, *path]]  # the rows' margins
     return Verdict(path, token, corrected, kept, extra_tokens)
 
 
-def _greedy(best: list[int], draft: Draft, children: dict[int, list[int]]) -> tuple[list[int], int, bool]:
+def _greedy(best: Callable[[int], int], draft: Draft, children: Mapping[int, Sequence[int]]
+            ) -> tuple[list[int], int, bool]:
     path: list[int] = []
     node = -1
     while True:
-        want = best[draft.block_row(node)]
+        want = best(draft.block_row(node))
         match = next((c for c in children[node] if draft.tokens[c] == want), None)
         if match is None:
             return path, want, bool(children[node])
@@ -97,7 +101,7 @@ def _greedy(best: list[int], draft: Draft, children: dict[int, list[int]]) -> tu
 def _sample(
     logits: torch.Tensor,
     draft: Draft,
-    children: dict[int, list[int]],
+    children: Mapping[int, Sequence[int]],
     sampling: Sampling,
     generator: torch.Generator | None,
 ) -> tuple[list[int], int, bool]:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from helpers import drafting
-from specgui import bench, decode, fastpath, hosttime
+from specgui import bench, decode, fastpath, hosttime, verify
 from specgui.methods.admg import Admg
 from specgui.methods.fractal import Fractal
 from specgui.methods.lookahead import Lookahead
@@ -59,6 +59,22 @@ def test_host_work_after_the_read_is_host_time_the_device_waits_for(tiny_lm, mon
     waited = steps[:-1] if pipeline else steps[1:]
     assert all(step.critical_ms >= SLEEP_S * 1000 for step in waited)
     assert (steps[-1] if pipeline else steps[0]).critical_ms < SLEEP_S * 1000
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_the_verifiers_walk_after_the_read_is_waited_for(tiny_lm, monkeypatch, pipeline):
+    """The waited-for gap opens when the verdict's values are read, not when the verifier returns: its walk down the
+    draft (here slowed) is host work between the read and the next launch, on a GPU with the device idle."""
+    walk = verify._greedy
+
+    def slow(*args, **kwargs):
+        time.sleep(SLEEP_S)
+        return walk(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "_greedy", slow)
+    _, steps = run(tiny_lm, pipeline=pipeline)
+    waited = steps[:-1] if pipeline else steps[1:]  # (as a slow observe's: the read before the next launch)
+    assert all(step.critical_ms >= SLEEP_S * 1000 for step in waited)
 
 
 @pytest.mark.parametrize(("method", "drafter"), [("pld", PromptLookup), ("admg", Admg), ("fractal", Fractal)])

@@ -121,7 +121,7 @@ def test_a_device_acceptance_other_than_the_hosts_stops_the_run_with_a_one_line_
     from) and by the host (which emits them): were they ever to differ, the run stops rather than go on from tokens
     the host did not decode. Here the host takes no draft token as standing."""
     lm = tiny_model(seed=1, init=0.3)
-    monkeypatch.setattr(UnreadChain, "standing", lambda self, confidences: [False] * len(confidences))
+    monkeypatch.setattr(UnreadChain, "decide", lambda self, values: ([], [], []))  # nothing stands
     with pytest.raises(SpecGUIError, match="the device accepted"):
         decode.run(lm, [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], "admg", max_new_tokens=32, fast_path="on",
                    params=drafting("admg", dict(CHAINED)["admg"]), profile=flat_profile(lm, True))

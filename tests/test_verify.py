@@ -47,7 +47,8 @@ def test_greedy_tree_follows_the_matching_branch():
 def test_draft_tree_geometry():
     draft = Draft(tokens=[1, 2, 3, 4], parents=[-1, 0, -1, 2])
     assert draft.depths() == [1, 2, 1, 2]
-    assert draft.children()[-1] == [0, 2]
+    assert draft.children()[-1] == (0, 2)
+    assert Draft(tokens=[5, 6, 7, 8], parents=[-1, 0, -1, 2]).children() is draft.children()  # made once a shape
     vis = draft.visibility()
     assert vis[4].tolist() == [True, False, False, True, True]  # node 3 sees pending, node 2, itself
     assert not draft.is_chain and Draft(tokens=[5, 6]).is_chain

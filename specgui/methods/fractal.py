@@ -582,15 +582,15 @@ class Fractal(Drafter):
         return Draft(on_device=OnDevice(made.size, None, None, self._decide, list(range(made.size))),
                      device_draft=made, cost_ms=passes, info={**self._info(), "plan": sizing.to_dict()})
 
-    def _decide(self, values: list[float]) -> tuple[list[int], list[bool], list[float]]:
+    def _decide(self, values: list[float]) -> tuple[list[int], list[int], list[float]]:
         """A carried step's draft from its read (`SlotSteps.launch`'s values: how many stood, the chain, each fractal
-        layer's slot guesses): the chain's tokens, the standing ones valid."""
+        layer's slot guesses): the chain's standing tokens."""
         size, w = self.sized, self.plan.window
-        stood, chain = int(values[0]), [int(v) for v in values[1 : 1 + size]]
-        self.stood = chain[:stood]
+        stood = int(values[0])
+        self.stood = [int(v) for v in values[1 : 1 + stood]]
         self.guessed = [[int(v) for v in values[1 + size + k * w : 1 + size + (k + 1) * w]]
                         for k in range(len(self.plan.layers))]
-        return chain, [i < stood for i in range(size)], [1.0] * size
+        return list(range(stood)), self.stood, [1.0] * stood
 
     def pieces(self) -> list[fastpath.Piece]:
         """The target's stretches between hooks (`Splice.layers`), and at each fractal layer i the upper pass

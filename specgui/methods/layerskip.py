@@ -25,7 +25,7 @@ not negligible, so a draft may run a token further than it would with the full h
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,25 +66,22 @@ class UnreadChain:
     placed: bool  # whether the nodes' ids already sit where the verify reads them (`fastpath.chain`)
     top: Top | None = None
 
-    def rows(self, values: list[float]) -> list[tuple[list[int], list[float]]]:
-        """The read `values` of the chain's packed `Top`, per chain position: (ids, their draft probabilities)."""
+    def standing(self, values: list[float]) -> Iterator[tuple[list[int], list[float]]]:
+        """The read `values` of the chain's packed `Top`, per chain position that stands (every token before it reached
+        the threshold: `draft_chain`'s exit), in order: (ids, their draft probabilities). Read as they are visited:
+        the rows past the exit are not."""
         k, width = self.k, 3 * self.k + 1
-        rows = [values[i * width : (i + 1) * width] for i in range(self.size)]
-        return [([int(v) for v in row[:k]], row[2 * k : 3 * k]) for row in rows]
+        for i in range(self.size):
+            row = values[i * width : (i + 1) * width]
+            probs = row[2 * k : 3 * k]
+            yield [int(v) for v in row[:k]], probs
+            if probs[0] < self.threshold:
+                return
 
-    def standing(self, confidences: list[float]) -> list[bool]:
-        """Whether each chain token stands: every token before it reached the threshold (`draft_chain`'s exit)."""
-        out, standing = [], True
-        for confidence in confidences:
-            out.append(standing)
-            standing = standing and confidence >= self.threshold
-        return out
-
-    def decide(self, values: list[float]) -> tuple[list[int], list[bool], list[float]]:
-        """`OnDevice.decide` for the chain itself: its tokens, which stand, their draft probabilities."""
-        rows = self.rows(values)
-        confidences = [probs[0] for _, probs in rows]
-        return [ids[0] for ids, _ in rows], self.standing(confidences), confidences
+    def decide(self, values: list[float]) -> tuple[list[int], list[int], list[float]]:
+        """`OnDevice.decide` for the chain itself: the tokens that stand, their draft probabilities."""
+        rows = list(self.standing(values))
+        return list(range(len(rows))), [ids[0] for ids, _ in rows], [probs[0] for _, probs in rows]
 
 
 def draft_unread(state: DecodeState, plan: SkipPlan, limit: int, threshold: float, alternatives: int = 0,

@@ -190,16 +190,16 @@ class Swift(LayerSkipDrafter):
         spine = [i * (spare + 1) for i in range(k)]
         parents = [spine[i - 1] if i else -1 for i in range(k) for _ in range(spare + 1)]
 
-        def decide(values: list[float]) -> tuple[list[int], list[bool], list[float]]:
-            rows = chain.rows(values)
-            standing = chain.standing([probs[0] for _, probs in rows])
-            tokens, valid, confidences = [], [], []
-            for (ids, probs), stands in zip(rows, standing):
+        def decide(values: list[float]) -> tuple[list[int], list[int], list[float]]:
+            kept: list[int] = []
+            tokens: list[int] = []
+            confidences: list[float] = []
+            for i, (ids, probs) in enumerate(chain.standing(values)):
                 width = self.widths[sum(probs[0] <= step for step in CONFIDENCE_STEPS)]
-                tokens += ids[: spare + 1]
-                valid += [stands and j < width for j in range(spare + 1)]
-                confidences += probs[: spare + 1]
-            return tokens, valid, confidences
+                kept += range(i * (spare + 1), i * (spare + 1) + width)
+                tokens += ids[:width]
+                confidences += probs[:width]
+            return kept, tokens, confidences
 
         self.width = 0.8 * self.width + 0.2 * (spare + 1)
         ids = None if chain.placed else chain.top.ids[:, : spare + 1]
