@@ -377,3 +377,17 @@ def test_a_run_never_takes_a_profile_of_the_other_path(tiny_lm):
     eager = costs.profile_for(tiny_lm, False)
     with pytest.raises(SpecGUIError, match="eager"):
         decode.run(tiny_lm, TINY_PROMPTS[0], "baseline", max_new_tokens=4, fast_path="on", profile=eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float64])
+def test_a_programs_control_values_go_through_staging_buffers_of_its_own(dtype):
+    """`Program.send`: the host's values land in the program's input, as its dtype, through two staging buffers used
+    in turn and made once (no array, tensor or pinned block a launch), each holding what it was last packed with."""
+    table = fastpath.program.Programs(tiny_model().runner)
+    program = fastpath.Program(lambda x: x * 2, torch.zeros(3, dtype=dtype), table, capturable=False)
+    sent = [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    for values in sent:
+        program.send(values)
+        assert program.input.tolist() == list(values) and program().tolist() == [2 * v for v in values]
+    assert program.input.dtype == dtype and len(program.staging.arrays) == 2
+    assert [a.tolist() for a in program.staging.arrays] == [list(sent[2]), list(sent[1])]

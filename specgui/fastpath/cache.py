@@ -22,7 +22,7 @@ from specgui.errors import SpecGUIError
 from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
 from specgui.fastpath.program import Program, Programs, key
 from specgui.fastpath.readout import CHAIN, Readout
-from specgui.kvcache import KVCache, upload
+from specgui.kvcache import KVCache
 from specgui.runner import Pass, Runner
 
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
@@ -112,7 +112,7 @@ class StaticKVCache(KVCache):
         moves = np.full((2, program.input.shape[1]), self.capacity, dtype=np.int64)  # padding: scratch onto itself
         moves[0, :n] = np.add(offsets, start)
         moves[1, :n] = np.arange(start, start + n)
-        upload(program.input, moves)
+        program.send(moves)
         program()
         self.lengths = [start + n] * len(self.lengths)
 

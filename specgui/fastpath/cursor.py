@@ -81,7 +81,7 @@ def start_row(cache: StaticKVCache, position: int, token: int) -> None:
     pack the layers' bounds, the positions, the block and the ids on the host between the verdict's read and the
     launch (on a CPU ~0.03 ms of a SWIFT step's, cold after a forward)."""
     program = row_program(cache)
-    upload(program.input, np.array([position + 1, token], dtype=np.int64))
+    program.send((position + 1, token))
     program()
     cache.inputs_for(1).owner = None  # built on the device: the next pass that wants them loads its own
 

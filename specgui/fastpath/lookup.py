@@ -29,7 +29,6 @@ from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
 from specgui.fastpath.readout import HostRows, width
-from specgui.kvcache import upload
 from specgui.runner import VERIFY_TOP, Top
 
 LOOKUP = -5  # the `kind` of a lookup step's program in the cache's table
@@ -117,7 +116,7 @@ class LookupSteps:
         cache, rows = self.cache, bucket(1 + size)
         program = lookup_program(cache, rows, self.ngrams)
         length = self.synced.sync(tokens, rows)
-        upload(program.input, np.array([size, length], dtype=np.int64))
+        program.send((size, length))
         step = cache.runner.new_pass(np.zeros(1, dtype=np.int64), cache)  # a forward pass of its own (counted)
         out = step.call(program)
         cache.inputs_for(rows).owner = None  # built on the device: the next pass of this bucket loads its own

@@ -25,10 +25,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from specgui import compiled
+from specgui.kvcache import Staging
 from specgui.runner import Runner, SkipPlan
 
 PLANS = 8  # skip plans whose forward programs a table keeps (the least recently used goes first)
@@ -106,6 +108,7 @@ class Program:
         self.graph: Any = None
         self.failed = False
         self.ready = False
+        self.staging: Staging | None = None  # where `send` packs the host's values (made at its first use)
 
     def prepare(self) -> None:
         """Capture now (CUDA), or, where the table compiles, run once now so that its functions compile here rather
@@ -117,6 +120,17 @@ class Program:
         elif self.table.compiled:
             self.fn(self.input)
         self.table.capture_s += time.perf_counter() - started
+
+    def send(self, values: Any) -> None:
+        """The host's `values` (anything numpy assigns to the input's shape) into the input, as one copy from a
+        staging buffer of the program's own (pinned on CUDA, reused in turn: `kvcache.Staging`): a launch's few
+        control values without a host array, its tensor and, on CUDA, a pinned block made at every launch (host time
+        between a verdict's read and the next launch, where a GPU waits for it)."""
+        if self.staging is None:
+            dtype = torch.empty(0, dtype=self.input.dtype).numpy().dtype
+            self.staging = Staging(np.zeros(self.input.shape, dtype=dtype), self.input.device)
+        self.staging.next()[...] = values
+        self.staging.send(self.input)
 
     def __call__(self) -> torch.Tensor:
         if not self.ready:

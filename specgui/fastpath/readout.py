@@ -28,6 +28,7 @@ class Readout:
     def __init__(self, rows: int, device: torch.device) -> None:
         self.start = rows * width(VERIFY_TOP)  # where the verify Tops end and the tail begins
         self.buffer = torch.zeros(self.start + CHAIN * width(CHAIN_NODES), device=device)
+        self.rings: dict[int, torch.Tensor] = {}  # `ring`'s views, by width: a chain the host starts asks each draft
 
     def verify_top(self, rows: int) -> torch.Tensor:
         """Where a verify forward's `Top` over a bucket of `rows` goes: the rows just before the ring."""
@@ -36,9 +37,11 @@ class Readout:
     def ring(self, top: int) -> torch.Tensor:
         """A draft chain's Tops of width `top`, a row per chain position [CHAIN, 3 top + 1], at the `tail` (one chain
         is read at a time: a chain of any width starts there)."""
-        if top > CHAIN_NODES:
-            raise SpecGUIError(f"a chained draft keeps at most {CHAIN_NODES} ids a position, got {top}")
-        return self.tail(CHAIN * width(top)).view(CHAIN, width(top))
+        if top not in self.rings:
+            if top > CHAIN_NODES:
+                raise SpecGUIError(f"a chained draft keeps at most {CHAIN_NODES} ids a position, got {top}")
+            self.rings[top] = self.tail(CHAIN * width(top)).view(CHAIN, width(top))
+        return self.rings[top]
 
     def tail(self, count: int) -> torch.Tensor | None:
         """The first `count` floats after the verify Tops, where a program leaves what the step's verdict read brings

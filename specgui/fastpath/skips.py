@@ -28,7 +28,6 @@ from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import chained_program, forward_program
 from specgui.fastpath.readout import CHAIN, HostRows, width
-from specgui.kvcache import upload
 from specgui.runner import VERIFY_TOP, SkipPlan, Top
 
 START = -6  # the `kind` of the program starting a chained layer-skip step (its one-row inputs at the cursor)
@@ -120,7 +119,7 @@ class SkipSteps:
         # the first replay (between two replays the host only calls; `passes.chain`)
         passes = [cache.runner.new_pass(self.nowhere, cache)]
         cache.inputs_for(1).owner = cache.inputs_for(rows).owner = None  # built on the device: others load their own
-        upload(start.input, np.array([self.synced.sync(tokens, rows), chain.size, chain.threshold], dtype=np.float64))
+        start.send((self.synced.sync(tokens, rows), chain.size, chain.threshold))
         start()
         passes += [cache.runner.new_pass(self.nowhere, cache) for _ in range(chain.size)]
         for step in passes[:-1]:

@@ -30,7 +30,6 @@ from specgui.fastpath.lookup import match
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
 from specgui.fastpath.readout import CHAIN, HostRows, width
-from specgui.kvcache import upload
 from specgui.runner import VERIFY_TOP, Top
 
 SLOTS = -9  # the `kind` of a carried step's program
@@ -128,7 +127,7 @@ class SlotSteps:
         stood, the chain, the slot guesses: `OnDevice.values`)."""
         cache, rows = self.cache, bucket(chain.rows)
         program = slot_program(cache, chain)
-        upload(program.input, np.array([self.synced.sync(tokens, rows), chain.restart], dtype=np.int64))
+        program.send((self.synced.sync(tokens, rows), chain.restart))
         out = cache.runner.new_pass(self.nowhere, cache).call(program)  # a forward pass of its own (counted)
         cache.inputs_for(rows).owner = None  # built on the device: the next pass of this bucket loads its own
         host, event = self.host.copy(out)
