@@ -60,7 +60,8 @@ from specgui.errors import SpecGUIError
 from specgui.events import Event, Prefill, Start, Step, Summary, summarize
 from specgui.loading import LoadedModel
 from specgui.methods.base import DecodeState
-from specgui.runner import VERIFY_TOP, Top
+from specgui.methods.policy import Plan
+from specgui.runner import VERIFY_TOP, SkipPlan, Top
 from specgui.sampling import GREEDY, Sampling
 from specgui.text import Detokenizer, pieces_in_context
 from specgui.verify import Verdict, verify
@@ -313,7 +314,7 @@ def generate(
                 token=verdict.token, corrected=verdict.corrected, emitted=tuple(emitted),
                 emitted_pieces=tuple(detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
                 forward_tokens=decoded.rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
-                payload=decoded.payload, predicted_ms=decoded.predicted_ms, plain_ms=decoded.plain_ms,
+                payload=_accounts(decoded.payload), predicted_ms=decoded.predicted_ms, plain_ms=decoded.plain_ms,
             )
             steps.append(step)
             return step
@@ -534,6 +535,13 @@ def _verify_forward(state: DecodeState, draft: Draft
             return logits, None, None
         return logits, None, extras.logit_rows if extras.logit_rows is not None else list(range(len(extras.tokens)))
     return logits[:n], (logits[n:] if want else None), None
+
+
+def _accounts(payload: dict[str, Any]) -> dict[str, Any]:
+    """A step's payload as its event shows it: the plans a draft's `info` holds (the policy's sizing `Plan`, a
+    `SkipPlan`) as their accounts (`to_dict`), written here, with the event, behind the next launch, not where the
+    drafter drafted, between a verdict's read and the next launch, where a GPU waits for the host."""
+    return {key: value.to_dict() if isinstance(value, Plan | SkipPlan) else value for key, value in payload.items()}
 
 
 def _cut(lm: LoadedModel, state: DecodeState, emitted: list[int]) -> tuple[list[int], str | None]:

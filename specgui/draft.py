@@ -165,15 +165,15 @@ class SlotChain:
     than the chain before it predicts (`methods.fractal.consistent_chain`), and none where that step's draft was not
     accepted whole or the chain is `restart`ed (the step after one that carried no slots); then `window` slots riding
     after it, started from a prompt lookup over the text and the chain (`ngrams`), refined inside the forward by
-    `splice` (`splice(exact, anchor)`: the hook of a forward of `exact` rows before its slots, the row the slots
-    continue read from the device tensor `anchor`). Its tokens are known on the host only with the step's read
-    (`OnDevice`), so that it needs no read of the step before."""
+    `splice` (the drafter's hook inside a forward of 1 + `size` rows before its slots, `fastpath.InProgram`;
+    `splice.anchored(anchor)` is that hook continuing the row the device tensor `anchor` names). Its tokens are known
+    on the host only with the step's read (`OnDevice`), so that it needs no read of the step before."""
 
     size: int
     window: int
     ngrams: tuple[int, int]
     restart: bool
-    splice: Callable[[int, torch.Tensor], Any]
+    splice: Any  # `methods.fractal.SpliceProgram` (draft imports no method)
 
     @property
     def rows(self) -> int:
@@ -210,7 +210,7 @@ class Draft:
     probs: torch.Tensor | None = None
     extras: Extras | None = None
     observer: Observer | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # for the step's event (its plans as their accounts there)
     cost_ms: float = 0.0
     on_device: OnDevice | None = None  # nodes not read yet (`tokens` stays empty until `settle`)
     rows: list[int] | None = None  # after `settle`: each node's index among the nodes the verify carried

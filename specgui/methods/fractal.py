@@ -501,7 +501,7 @@ class Fractal(Drafter):
         sizing = self.policy.sized(state.unread, lambda: (self._cost(state, own), state.plain_ms()), limit)
         if sizing.size == 0:  # decode plainly; a carried chain stays, to resume from once the text matches it
             self.sized, self.chaining = 0, False
-            return Draft(info={**self._info(), "origin": [], "plan": sizing.to_dict()})
+            return Draft(info={**self._info(), "origin": [], "plan": sizing})
         if self.on_device:
             return self._device_draft(state, sizing, priced)
         if restart:
@@ -519,7 +519,7 @@ class Fractal(Drafter):
         passes = (0.0 if not extras else priced.passes[rows] if priced is not None and rows in priced.passes
                   else self._passes_ms(state, rows))
         return Draft(tokens=tokens, extras=extras, cost_ms=paid + passes,
-                     info={**self._info(), "origin": origin, "source": source, "plan": sizing.to_dict()})
+                     info={**self._info(), "origin": origin, "source": source, "plan": sizing})
 
     def _own_ms(self, state: DecodeState) -> float:
         """A restart's own draft forward: the target's over [pending, slots] and its compressed passes."""
@@ -580,7 +580,7 @@ class Fractal(Drafter):
         passes = (priced.passes[made.rows] if priced is not None and made.rows in priced.passes
                   else self._passes_ms(state, made.rows))
         return Draft(on_device=OnDevice(made.size, None, None, self._decide, list(range(made.size))),
-                     device_draft=made, cost_ms=passes, info={**self._info(), "plan": sizing.to_dict()})
+                     device_draft=made, cost_ms=passes, info={**self._info(), "plan": sizing})
 
     def _decide(self, values: list[float]) -> tuple[list[int], list[int], list[float]]:
         """A carried step's draft from its read (`SlotSteps.launch`'s values: how many stood, the chain, each fractal

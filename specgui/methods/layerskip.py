@@ -282,9 +282,7 @@ class LayerSkipDrafter(Drafter):
         drafting = sizing.size > 0
         prepared_ms, prepared = self.prepare(state, sizing) if drafting else (0.0, {})
         skipped = self.plan if drafting else SkipPlan()  # a paused step skipped nothing: it drafted nothing
-        # the event's account of the plans, written beside the forward (`after_launch`): read only at `observe`
-        info: dict[str, Any] = {"skip": None, "draft_len": sizing.size, "plan": None, **prepared}
-        self.described = info, skipped, sizing
+        info: dict[str, Any] = {"skip": skipped, "draft_len": sizing.size, "plan": sizing, **prepared}
         self.chain, self.unread = None, None
         if drafting and state.unread:  # the tokens are read with the verdict; `observe` completes the payload
             self.drafted_with = threshold = self.threshold
@@ -315,10 +313,7 @@ class LayerSkipDrafter(Drafter):
         forward, not between this step's read and the next draft's launch, where the device would wait for it: its
         plan (`DraftPolicy.plan_ahead`, priced at every size; the next step has the room this one leaves whatever it
         emits) and its exit threshold (the one the verdicts read so far made); and the price of a draft token, for
-        the draft's cost, while the plan skips what it skips now. On every path the step's payload gets its account of
-        the draft's skip plan and sizing here (`draft` left it unwritten)."""
-        info, skipped, sizing = self.described
-        info["skip"], info["plan"] = skipped.to_dict(), sizing.to_dict()
+        the draft's cost, while the plan skips what it skips now."""
         if state.unread:
             self.priced = self.plan, self.token_ms(state)
             self.threshold = self.exit.value

@@ -129,7 +129,7 @@ class Lookahead(Drafter):
         self.found = len(trie.tokens)
         self.drafted, self.exhausted = size, size == len(trie.tokens)  # a larger size would verify the same
         extras = self._extras(state.committed, size) if self.fed else None
-        info = {"window": self.fed or [], "warmup": not self.filled, "plan": sizing}  # (`to_dict`: after the launch)
+        info = {"window": self.fed or [], "warmup": not self.filled, "plan": sizing}
         self.shown = candidates, info  # the candidates' records join the step's info after the launch
         return Draft(tokens=trie.tokens[:size], parents=trie.parents[:size], extras=extras, info=info)
 
@@ -177,10 +177,9 @@ class Lookahead(Drafter):
         verdict's, the one after with them; the window's columns it learns at once: a step late, they cost its
         drafts 2.5% of their accepted tokens, held-out prompts, fixed sizes, CPU); and the next draft's sizes are
         priced (`DraftPolicy.price_ahead`), as many as this one's pool offered, at the window's rows, which stay as
-        they are once it is filled. And the launched draft's plan and candidates as records (its event shows them,
+        they are once it is filled. And the launched draft's candidates as records (its event shows them,
         `observe` finds the accepted one among them)."""
         candidates, info = self.shown
-        info["plan"] = info["plan"].to_dict()
         self.candidates = info["candidates"] = candidates.within(self.drafted)
         if self.params.pool_from_prompt:
             self._index_text(state.tokens)

@@ -109,7 +109,7 @@ class PromptLookup(Drafter):
         tokens = found[: plan.size]
         self.drafted, self.exhausted = len(tokens), plan.size == len(found)
         return Draft(tokens=tokens, cost_ms=0.0 if held else self.lookup_ms,
-                     info={"ngram": n, "plan": plan.to_dict()})
+                     info={"ngram": n, "plan": plan})
 
     def _pricing(self, state: DecodeState) -> tuple[Callable[[int], float], float]:
         """The prices of a lookup the device makes, sized before the lookup is known (`DraftPolicy.take`)."""
@@ -126,7 +126,7 @@ class PromptLookup(Drafter):
         found, n = self.index.lookup(state.tokens, plan.size) if plan.size else ([], 0)
         self.drafted, self.exhausted = len(found), len(found) < plan.size
         return Draft(tokens=found, cost_ms=self.lookup_ms if plan.size else 0.0,
-                     info={"ngram": n, "plan": plan.to_dict()}, device_draft=Lookup(plan.size, self.params.ngrams))
+                     info={"ngram": n, "plan": plan}, device_draft=Lookup(plan.size, self.params.ngrams))
 
     def after_launch(self, state: DecodeState) -> None:
         if self.on_device:  # (this step emits at least one token: the next has that much less room)

@@ -147,7 +147,7 @@ class SelfDraft(Drafter):
         self.fed = self._choose_branches(room(n)) if depth > 0 else {}
         info: dict[str, Any] = {"branches": list(self.fed.values())}
         if sizing is not None and found:
-            info["plan"] = sizing  # (its account, `Plan.to_dict`, is written after the launch)
+            info["plan"] = sizing
         self.shown = candidates, info  # the candidates' records join the step's info after the launch, and warm-up's
         extras = self._extras(state.committed, n) if self.fed else None
         return Draft(tokens=trie.tokens[:n], parents=trie.parents[:n], extras=extras, info=info,
@@ -258,15 +258,13 @@ class SelfDraft(Drafter):
             del branch[: max(0, len(branch) - self.params.branch_len)]
 
     def after_launch(self, state: DecodeState) -> None:
-        """Beside the next forward: the launched draft's plan and candidates as records (its event shows them,
+        """Beside the next forward: the launched draft's candidates as records (its event shows them,
         `observe` finds the accepted one among them); the context cache learns the last verdict's n-grams (the
         branches' and the text's: the next draft retrieves without them, the one after with them); and the next
         draft's sizes are chosen on the device's path (`DraftPolicy.plan_ahead`, from the verdicts before this
         step's, up to the trie's budget: the draft cuts it to what its retrieval finds), priced with the branch
         tokens that may ride beside each size (`_room`), which stay as they are once the branches are grown."""
         candidates, info = self.shown
-        if "plan" in info:
-            info["plan"] = info["plan"].to_dict()
         self.candidates = info["candidates"] = candidates.within(self.verified)
         info["warmup"] = any(len(b) < self.params.branch_len for b in self.branches)  # (as drafted: grown at observe)
         self.rooms = room = self._room(state)
