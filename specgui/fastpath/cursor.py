@@ -17,9 +17,11 @@ from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import fixed_block
 from specgui.fastpath.program import Program, key
+from specgui.fastpath.readout import HostRows
 from specgui.kvcache import upload
 
 ROW = -8  # the `kind` of the program that builds one-row inputs where the host says (`start_row`)
+_NOWHERE = np.zeros(1, dtype=np.int64)  # a chained step's pass's positions (its inputs are built on the device)
 
 
 class Block:
@@ -84,6 +86,18 @@ def start_row(cache: StaticKVCache, position: int, token: int) -> None:
     program.send((position + 1, token))
     program()
     cache.inputs_for(1).owner = None  # built on the device: the next pass that wants them loads its own
+
+
+def replay(cache: StaticKVCache, program: Program, control: tuple[float, ...], rows: int, host: HostRows
+           ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """One chained step whose one program does the whole step (`lookup.LookupSteps`, `slots.SlotSteps`): its `control`
+    values sent, the program run as a forward pass of its own (counted: `dispatch`), the bucket of `rows` left to
+    whichever pass wants it next (its inputs were built on the device: that pass loads its own), and the output copied
+    to the next of the pinned `host` rows: that host view and the event to wait for before reading it."""
+    program.send(control)
+    out = cache.runner.new_pass(_NOWHERE, cache).call(program)
+    cache.inputs_for(rows).owner = None
+    return host.copy(out)
 
 
 def check(accepted: list[float], path: list[int]) -> None:

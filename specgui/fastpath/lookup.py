@@ -19,12 +19,11 @@ forward.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
-from specgui.fastpath.cursor import Block, Synced
+from specgui.fastpath.cursor import Block, Synced, replay
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
@@ -115,12 +114,7 @@ class LookupSteps:
         reading it (None off CUDA) and the host view of the ids it drafted [rows] (read with the verdict: `check`)."""
         cache, rows = self.cache, bucket(1 + size)
         program = lookup_program(cache, rows, self.ngrams)
-        length = self.synced.sync(tokens, rows)
-        program.send((size, length))
-        step = cache.runner.new_pass(np.zeros(1, dtype=np.int64), cache)  # a forward pass of its own (counted)
-        out = step.call(program)
-        cache.inputs_for(rows).owner = None  # built on the device: the next pass of this bucket loads its own
-        host, event = self.host.copy(out)
+        host, event = replay(cache, program, (size, self.synced.sync(tokens, rows)), rows, self.host)
         tops = rows * width(VERIFY_TOP)
         return Top(host[:tops].view(rows, -1), VERIFY_TOP), event, host[tops:]
 

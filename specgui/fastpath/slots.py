@@ -24,7 +24,7 @@ import torch
 
 from specgui.draft import SlotChain
 from specgui.fastpath.cache import StaticKVCache
-from specgui.fastpath.cursor import Block, Synced
+from specgui.fastpath.cursor import Block, Synced, replay
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.lookup import match
 from specgui.fastpath.program import Program, key
@@ -116,7 +116,6 @@ class SlotSteps:
         self.cache = cache
         self.host = HostRows(2 + CHAIN + cache.readout.buffer.numel(), cache.runner.device)
         self.synced = Synced(cache)
-        self.nowhere = np.zeros(1, dtype=np.int64)  # the pass's positions (its inputs are built on the device)
 
     def launch(self, chain: SlotChain, tokens: list[int] | None
                ) -> tuple[Top, torch.cuda.Event | None, torch.Tensor, torch.Tensor]:
@@ -126,11 +125,8 @@ class SlotSteps:
         tokens the device accepted [1] (read with the verdict: `cursor.check`) and of its draft's values (how many
         stood, the chain, the slot guesses: `OnDevice.values`)."""
         cache, rows = self.cache, bucket(chain.rows)
-        program = slot_program(cache, chain)
-        program.send((self.synced.sync(tokens, rows), chain.restart))
-        out = cache.runner.new_pass(self.nowhere, cache).call(program)  # a forward pass of its own (counted)
-        cache.inputs_for(rows).owner = None  # built on the device: the next pass of this bucket loads its own
-        host, event = self.host.copy(out)
+        host, event = replay(cache, slot_program(cache, chain), (self.synced.sync(tokens, rows), chain.restart), rows,
+                             self.host)
         end = 1 + rows * width(VERIFY_TOP)
         return Top(host[1:end].view(rows, -1), VERIFY_TOP), event, host[:1], host[end:]
 
