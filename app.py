@@ -6,12 +6,15 @@ the demo presets in the background on the device thread (`specgui.ui.warmup`): t
 calibrates, says how far it is, and a Run pressed meanwhile waits for it. Every slow phase of a start prints a line
 and a bar (`specgui.progress`). `--no-calibrate` (or SPECGUI_NO_CALIBRATE=1, for a Space) skips the calibration for
 quick restarts. Set GRADIO_SERVER_NAME / GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL,
-SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set the deployment policy (see specgui/hosting.py).
+SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set the deployment policy (see specgui/hosting.py). `/healthz` answers 503
+while the app starts and 200 once it serves the page (a probe's path); SPECGUI_START_HOLD=FILE holds the start, the
+starting page up, until FILE exists (how a test catches the starting page on any machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 # hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
@@ -39,10 +42,14 @@ def main(argv: list[str] | None = None) -> None:
             lm = app.store.get(app.default_model)
     except SpecGUIError as exc:  # the page still opens: traces replay without a model, another can be named
         print(f"warning: {exc}", file=sys.stderr)
+    if os.environ.get(placeholder.HOLD_ENV):
+        with progress.phase(f"held until {os.environ[placeholder.HOLD_ENV]} exists ({placeholder.HOLD_ENV})"):
+            warmup.held_by_file(os.environ[placeholder.HOLD_ENV])()
     with progress.phase("building and serving the page"):
         demo = app.build().queue(**queue_options())
+        health = placeholder.health_route(lambda: {"calibration": app.warmup.state})  # there before gradio listens
         starting.stop()
-        demo.launch(prevent_thread_lock=True, **launch_options())
+        demo.launch(prevent_thread_lock=True, app_kwargs={"routes": [health]}, **launch_options())
     if lm is None:
         app.warmup.skip("no model loaded")
     elif args.no_calibrate or warmup.skipped_by_environment():

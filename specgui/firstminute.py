@@ -86,10 +86,11 @@ def start(cache: Path, port: int) -> Start:
                 buffer += chunk
 
     def ask() -> None:
-        url = f"http://127.0.0.1:{port}/"
+        # as a browser asks: the starting page answers other clients 503 until the app is up
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/", headers={"Accept": "text/html"})
         while proc.poll() is None:
             try:
-                with urllib.request.urlopen(url, timeout=60):
+                with urllib.request.urlopen(request, timeout=60):
                     started.answered = time.monotonic() - began
                     return
             except OSError:

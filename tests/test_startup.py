@@ -1,11 +1,14 @@
 """The app's first minute: `python app.py` answers at its address from the start (a starting page that brings the app
 in by itself), serves its page before the demo presets' calibration ends, the page and the terminal say how far it
 is, and a Run pressed meanwhile waits for it in a real chromium, then ends identical to plain decoding and priced by
-the finished calibration.
+the finished calibration. While it starts, every request but a browser's is told to wait (503), and the API example of
+docs/app.md, run as written, waits for the app and then decodes through it.
 
 Neither verdict rests on the machine's speed: the calibration is held after its first preset (SPECGUI_CALIBRATION_HOLD
-for the served app.py, a `threading.Event` for the page in this process) until the test has seen what it checks."""
+for the served app.py, a `threading.Event` for the page in this process), and the start itself before its page is
+served (SPECGUI_START_HOLD), until the test has seen what it checks."""
 
+import json
 import os
 import socket
 import subprocess
@@ -13,8 +16,10 @@ import sys
 import threading
 import time
 import urllib.request
+from urllib.error import HTTPError
 
 import pytest
+from markdown_it import MarkdownIt
 from playwright.sync_api import sync_playwright
 from test_browser import visitor
 from ui_helpers import served
@@ -27,6 +32,8 @@ START_TIMEOUT_S = 600  # bounds, not verdicts: a busy two-core machine took minu
 TIMEOUT_MS = START_TIMEOUT_S * 1000
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 PRESETS = len(controls.presets(controls.examples()))  # what app.py calibrates (configs/demos.yaml)
+BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"  # chromium's, navigating
+DOCS_URL = "http://127.0.0.1:7860/"  # where docs/app.md's client example asks
 
 
 def free_port() -> int:
@@ -45,11 +52,12 @@ def read_until(lines: list[str], proc: subprocess.Popen, text: str) -> None:
 
 
 def first_answer(url: str, proc: subprocess.Popen) -> str:
-    """The first page the address answers with, asked every 0.1 s from the app's start."""
+    """The first page the address answers a browser with, asked every 0.1 s from the app's start."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=60) as answer:
+            with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": BROWSER_ACCEPT}),
+                                        timeout=60) as answer:
                 assert answer.status == 200
                 return answer.read().decode("utf-8")
         except OSError:
@@ -91,6 +99,56 @@ def test_app_py_serves_the_page_while_the_calibration_runs_and_says_when_it_ends
         output = "".join(lines)
         assert output.index("Running on") < output.index("calibrating the demo presets …")  # the page first
         assert "the page is up; calibrating the demo presets in the background" in output
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def docs_client_example() -> str:
+    """The Python client example of docs/app.md (its one fence that imports gradio_client), as written."""
+    tokens = MarkdownIt("commonmark").parse((REPO_DIR / "docs" / "app.md").read_text(encoding="utf-8"))
+    [code] = [t.content for t in tokens if t.type == "fence" and "gradio_client" in t.content]
+    assert code.count(DOCS_URL) == 1  # the one place the test points it at its own port
+    return code
+
+
+def test_while_app_py_starts_a_client_is_told_to_wait_and_the_docs_client_example_then_runs(embedded_lm, tmp_path):
+    # embedded_lm: a warm start (see above); --no-calibrate: the example's run queues behind no calibration
+    release = tmp_path / "release"
+    port = free_port()
+    env = {**os.environ, placeholder.HOLD_ENV: str(release), "GRADIO_SERVER_PORT": str(port),
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "app.py", "--no-calibrate"], cwd=REPO_DIR, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        read_until(lines, proc, f"({placeholder.HOLD_ENV}) …")  # held before its page: the starting page answers
+        refused = [urllib.request.Request(url + "config"),
+                   urllib.request.Request(url + "gradio_api/call/generate", method="POST",
+                                          data=json.dumps({"data": ["Hi", "pld", 8, 0.0, ""]}).encode(),
+                                          headers={"Content-Type": "application/json"}),
+                   urllib.request.Request(url + "healthz"),
+                   urllib.request.Request(url, headers={"Accept": "application/json"})]
+        for request in refused:
+            with pytest.raises(HTTPError) as answer:
+                urllib.request.urlopen(request, timeout=60)
+            assert answer.value.code == 503, request.full_url
+            assert answer.value.headers["Retry-After"] == str(placeholder.RETRY_AFTER_S)
+            said = json.loads(answer.value.read())
+            assert said["status"] == "starting" and said["phase"].startswith("held until"), said
+        page = first_answer(url, proc)  # a browser: the starting page, with the phase that runs
+        assert placeholder.MARK in page and "held until" in page
+        assert not any("Running on" in line for line in lines)
+
+        release.touch()
+        scope: dict = {}
+        exec(compile(docs_client_example().replace(DOCS_URL, url), "docs/app.md", "exec"), scope)
+        assert scope["event"]["type"] == "summary" and scope["event"]["text"], scope["event"]
+        with urllib.request.urlopen(url + "healthz", timeout=60) as health:  # now answered by gradio's app
+            assert health.status == 200
+            assert json.loads(health.read()) == {"status": "ready", "calibration": warmup.SKIPPED}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
