@@ -191,24 +191,42 @@ def _step_ms_per_token(result: decode.Result) -> float:
 
 
 def section_tests(ctx: Context) -> dict[str, Any]:
-    """The CUDA tests of the fast path and Fractal, in a subprocess (they skip themselves without CUDA)."""
+    """The CUDA tests of the fast path, the pipeline and Fractal, in a subprocess (they skip themselves without CUDA),
+    within the section's budget: a run stopped at it says which tests it left out."""
     ctx.cuda_only("the CUDA tests skip themselves on a CPU")
     tests = REPO_DIR / "tests"
     if not (tests / "test_fastpath.py").is_file():
         raise Skipped(f"no tests beside the package ({tests})")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fastpath.py",
-           "tests/test_fractal.py", "-k", "cuda"]
+    files = ["tests/test_fastpath.py", "tests/test_pipeline.py", "tests/test_fractal.py"]
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *files, "-k", "cuda"]
     started = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True, timeout=1800)
-    (ctx.out / "tests.log").write_text(done.stdout + done.stderr, encoding="utf-8")
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
-                                                      done.stdout.splitlines()[-1] if done.stdout else "")}
-    passed, failed = counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-    return table(["passed", "failed", "skipped", "seconds", "exit"],
-                 [[passed, failed, counts.get("skipped", 0), round(time.perf_counter() - started, 1), done.returncode]],
-                 [target("CUDA tests (test_fastpath, test_fractal -k cuda) pass", f"{passed} passed, {failed} failed",
-                         done.returncode == 0 and passed > 0)],
-                 counts=counts, command=" ".join(cmd[1:]), log="tests.log")
+    listed = subprocess.run([*base, "-q", "--collect-only"], cwd=REPO_DIR, capture_output=True, text=True,
+                            timeout=120)
+    wanted = [line.strip() for line in listed.stdout.splitlines() if "::" in line]
+    cmd = [*base, "-v", "-rN"]
+    try:
+        done = subprocess.run(cmd, cwd=REPO_DIR, capture_output=True, text=True,
+                              timeout=max(5.0, ctx.deadline - time.perf_counter()))
+        output, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as stopped:
+        output, code = _text(stopped.stdout) + _text(stopped.stderr), None
+    (ctx.out / "tests.log").write_text(output, encoding="utf-8")
+    verdicts = dict(re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", output, flags=re.MULTILINE))
+    counts = {kind: list(verdicts.values()).count(kind.upper()) for kind in ("passed", "failed", "skipped", "error")}
+    left = [name for name in wanted if name not in verdicts]
+    passed, failed = counts["passed"], counts["failed"] + counts["error"]
+    stopped_at = "" if code is not None else f", stopped at the section's budget ({BUDGET_S['tests']} s)"
+    return table(["passed", "failed", "skipped", "left out", "seconds", "exit"],
+                 [[passed, failed, counts["skipped"], len(left), round(time.perf_counter() - started, 1),
+                   "budget" if code is None else code]],
+                 [target(f"CUDA tests ({', '.join(files)} -k cuda) pass",
+                         f"{passed} passed, {failed} failed, {len(left)} left out{stopped_at}",
+                         code == 0 and passed > 0 and not left)],
+                 counts=counts, left_out=left, command=" ".join(cmd[1:]), log="tests.log")
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 # -- 2. identity ---------------------------------------------------------------------------------------------
