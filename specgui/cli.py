@@ -1,5 +1,5 @@
-"""Command line: `python -m specgui generate | bench | presets | methods | profile | dv-search | gpucheck | suite-time |
-stage-picture | report`.
+"""Command line: `python -m specgui generate | bench | presets | methods | profile | dv-search | gpucheck | smoke |
+suite-time | stage-picture | first-minute | report`.
 
 Every input problem (unknown method, bad number, missing file, malformed JSONL, unloadable model) exits
 with status 2 and one line on stderr; arguments are checked before the model loads, so mistakes are
@@ -131,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--prompts", type=int, default=None, help="bench prompts (default: 8 on a GPU, 4 on a CPU)")
     check.add_argument("--tokens", type=int, default=None, help="bench new tokens (default: 64 on a GPU, 48 on a CPU)")
     _output_args(check, "gpucheck", with_json=False)  # --out holds its report.json
+
+    smoke = sub.add_parser("smoke", help="the GPU path's first check: every method first on a fresh cache, pipelined "
+                           "and serially, its tokens against plain decoding's, its cache free of NaN; one line a check")
+    smoke.add_argument("--emulate", action="store_true", help="on a CPU: the emulated CUDA device "
+                       "(specgui/fastpath/emulation.py)")
+    smoke.add_argument("--model", default="tiny", help="tiny (in-process, no weights; default) or embedded")
+    smoke.add_argument("--dtypes", default=None, help="comma-separated (default: float32,bfloat16 on a GPU; float32 "
+                       "emulated)")
+    smoke.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
+    smoke.add_argument("--tokens", type=int, default=24, help="new tokens a run (default 24)")
+    smoke.add_argument("--sequence", action="store_true", help="also every method after every other on one runner, "
+                       "a compile toggle, a growing cache and plan changes inside a run")
 
     suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
     _output_args(suite, "suite")
@@ -423,6 +435,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 1 if args.check and stale else 0
 
 
+def cmd_smoke(args: argparse.Namespace) -> int:
+    from specgui import smoke
+
+    return smoke.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("once")  # a library warning raised on every forward (bitsandbytes' casts) is shown once
     try:
@@ -431,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "presets": cmd_presets, "methods": cmd_methods,
                     "profile": cmd_profile, "dv-search": cmd_dv_search, "gpucheck": cmd_gpucheck,
                     "suite-time": cmd_suite_time, "stage-picture": cmd_stage_picture, "report": cmd_report,
-                    "first-minute": cmd_first_minute}
+                    "first-minute": cmd_first_minute, "smoke": cmd_smoke}
         status = commands[args.command](args)
     except SpecGUIError as exc:
         print(f"error: {exc}", file=sys.stderr)

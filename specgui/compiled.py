@@ -157,15 +157,15 @@ def configure() -> None:
                                                            4 * RECOMPILE_LIMIT)
 
 
-def shape_of(config: Any, device: torch.device) -> Shape:
-    """A model's layer constants, and the attention form for `device`: on a CPU torch's fused kernel takes grouped
-    heads and a mask as they are (one call); on CUDA its fused kernels refuse that pair and its fallback repeats the
-    keys and values to every query head (a copy of the cache per layer), so attention there is written out."""
+def shape_of(config: Any, by_hand: bool) -> Shape:
+    """A model's layer constants, and the attention form (`by_hand`: the device's, `fastpath.device.Host.by_hand`):
+    on a CPU torch's fused kernel takes grouped heads and a mask as they are (one call); on CUDA its fused kernels
+    refuse that pair and its fallback repeats the keys and values to every query head (a copy of the cache per layer),
+    so attention there is written out."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Shape(heads, kv_heads, head_dim, head_dim ** -0.5, float(config.rms_norm_eps),
-                 float(config.rms_norm_eps) if getattr(config, "model_type", "") == "qwen3" else 0.0,
-                 device.type == "cuda")
+                 float(config.rms_norm_eps) if getattr(config, "model_type", "") == "qwen3" else 0.0, by_hand)
 
 
 def supported(block: nn.Module) -> bool:
@@ -270,11 +270,22 @@ def layer(h: torch.Tensor, w: LayerWeights, keys: torch.Tensor, values: torch.Te
     return mlp_unit(attention_unit(h, w, keys, values, cos, sin, mask, index, shape), w, shape)
 
 
-FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {"attention": attention_unit, "mlp": mlp_unit, "layer": layer}
-_compiled: dict[str, Callable[..., torch.Tensor]] = {}
+FUNCTIONS: dict[str, Callable[..., Any]] = {"attention": attention_unit, "mlp": mlp_unit, "layer": layer}
+_compiled: dict[str, Callable[..., Any]] = {}
 
 
-def compiled(name: str) -> Callable[..., torch.Tensor]:
+def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make a function of the fast path's programs one of `FUNCTIONS` (its programs call `compiled(name)` where they
+    compile: many small operations become a few kernels), the function itself unchanged."""
+
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        FUNCTIONS[name] = fn
+        return fn
+
+    return add
+
+
+def compiled(name: str) -> Callable[..., Any]:
     """The compiled form of `FUNCTIONS[name]`, one per process (dynamo keeps its specialisations)."""
     if name not in _compiled:
         configure()
@@ -294,7 +305,7 @@ def probe_spec(runner: Any, rows: int = 1, capacity: int = 256) -> dict[str, Any
     """What `probe` needs to compile one layer of `runner`'s model: shapes and dtype, no weights."""
     config, block = runner.config, runner.layers[0]
     attn = block.self_attn
-    return {"shape": list(shape_of(config, runner.device)), "hidden": config.hidden_size,
+    return {"shape": list(shape_of(config, runner.device.type == "cuda")), "hidden": config.hidden_size,
             "inner": config.intermediate_size, "bias": attn.q_proj.bias is not None,
             "qk_norm": getattr(attn, "q_norm", None) is not None, "dtype": str(runner.dtype).removeprefix("torch."),
             "device": str(runner.device), "rows": rows, "capacity": capacity}

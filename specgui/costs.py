@@ -46,6 +46,7 @@ it measures.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -65,7 +66,7 @@ import torch
 from specgui import __version__, cpu_layers, fastpath, progress
 from specgui.cachedir import cache_root, exclusive
 from specgui.kernels import build, cpu_name, signature, simd
-from specgui.kvcache import KVCache
+from specgui.kvcache import KVCache, wait_for_devices
 from specgui.runner import ATTN, MLP, Runner, SkipPlan
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # new tokens per measured forward: finest where CPUs turn
@@ -659,13 +660,16 @@ class DeviceClock:
     """Time marks that never stall the device: recorded CUDA events on a GPU, `perf_counter` elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self) -> Any:
+        """A mark behind what was launched so far: on CUDA an event on the stream of the model's device (a model on
+        cuda:1 is timed on cuda:1's stream, whatever the current device is)."""
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def ms(self, start: Any, end: Any) -> float:
@@ -700,12 +704,23 @@ def beside_ms(fns: Sequence[Callable[[], Any]], reference: Callable[[], Any], re
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    """What waits until `device` has run what was launched: CUDA's synchronisation, or the emulation's (a CPU's
+    operations have run when they return)."""
+    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else wait_for_devices
 
 
 def _which(lm: Any, fast_path: bool) -> tuple[bool, bool]:
     """The path a profile is measured on: the fast path or not, and whether its programs are compiled."""
     return fast_path, fast_path and fastpath.compiles_for(lm.runner)
+
+
+def flat_profile(lm: Any, fast_path: bool, ms: float = 10.0) -> CostProfile:
+    """A hand-made cost profile in which a forward costs `ms` whatever its rows and context: for runs whose verdicts
+    rest on no price (fixed draft sizes: the tests, the smoke), so that they measure no profile of their own (on the
+    CPU's fast path, the embedded model's took ~37 s and left the static cache sized for a 1088-token context)."""
+    layers = lm.runner.num_layers
+    return CostProfile(key=profile_key(lm, fast_path), sizes=[1, 64], contexts=[128], forward=[[ms, ms]], step=ms,
+                       attn=[ms / (4 * layers)] * layers, mlp=[ms / (4 * layers)] * layers, head=ms / 10)
 
 
 def profile_key(lm: Any, fast_path: bool) -> dict[str, Any]:

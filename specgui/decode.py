@@ -142,6 +142,17 @@ class _Clock:
         self.total += ms / 1000 if counted else 0.0
         return ms
 
+    def discount(self, ms: list[float], capture_ms: float) -> list[float]:
+        """Phases' `ms` less `capture_ms` of programs captured within them (taken from the first phases first), and
+        the total less it: a capture inside a step (a plan adopted) is a one-time cost no step is priced by."""
+        left, out = capture_ms, []
+        for phase in ms:
+            cut = min(phase, left)
+            out.append(phase - cut)
+            left -= cut
+        self.total -= (capture_ms - left) / 1000
+        return out
+
     def resume(self, since: Any = None) -> None:
         """Start counting again after a pause (the gap was the consumer's time, or what the clock leaves out); or,
         pipelined, `since` a mark behind the forward before (`since`'s span: the host's whole work between them)."""
@@ -187,10 +198,31 @@ class _Launched:
     # lookup's ids (`fastpath.lookup.check`), how many tokens a skip or slot chain's acceptance took (`cursor.check`)
     nodes: torch.Tensor | None = None  # a skip chain's Tops, a slot chain's tokens: its nodes' values (`OnDevice`)
 
-    def wait(self) -> None:
-        """Before the verdict's read: a chained step's copy to the host has run (not the forwards launched since)."""
+    def wait(self, clock: _Clock | None = None) -> None:
+        """Before the verdict's read: a chained step's copy to the host has landed (not the forwards launched since).
+        Serially the `clock`'s mark comes first (the step's phases end just before its read): on a GPU waiting for it
+        waits for the copy too, but the wait is the event's own, whatever the clock's device (a CPU's clock waits for
+        nothing)."""
+        if clock is not None:
+            clock.mark(wait=self.ready is not None)
         if self.ready is not None:
             self.ready.synchronize()
+
+
+class _Captures:
+    """The programs a run captures while its steps are timed (a plan adopted inside a step: SWIFT's search, CLaSp's
+    re-optimisation; a program first used): the ms since the last `take`, which the step they fell in leaves out of
+    its time (`_Clock.discount`), and the cost model out of what it learns."""
+
+    def __init__(self, cache: Any) -> None:
+        self.table = cache.programs if isinstance(cache, fastpath.StaticKVCache) else None
+        self.at = self.table.capture_s if self.table is not None else 0.0
+
+    def take(self) -> float:
+        if self.table is None:
+            return 0.0
+        before, self.at = self.at, self.table.capture_s
+        return (self.at - before) * 1000
 
 
 @dataclass
@@ -204,6 +236,7 @@ class _Decoded:
     emitted: list[int]
     rows: int  # the verify forward's
     timed: Callable[[], list[float]]  # the step's draft and verify ms, read when its event is built (`_Clock.spans`)
+    capture_ms: float  # programs captured within them (`_Captures`)
     observe_ms: float
     payload: dict[str, Any]
     predicted_ms: float
@@ -277,6 +310,7 @@ def generate(
     with torch.inference_mode():
         drafter.setup(state)  # one-time work (a skip-set search, first-use timings): before the clock starts
         clock = _Clock(runner.device)
+        captures = _Captures(state.cache)  # (captures before the clock started are no run's)
         # prefill: the prompt forward yields the first new token
         n = len(prompt_ids)
         logits = runner.forward(np.asarray(prompt_ids, dtype=np.int64), np.arange(n), state.cache,
@@ -285,11 +319,12 @@ def generate(
         state.riders = []
         first = verdict.token
         state.tokens.append(first)
-        [prefill_ms] = clock.read(synced=True)
+        [prefill_ms] = clock.discount(clock.read(synced=True), captures.take())
         started = time.perf_counter()
         payload = drafter.observe(state, Outcome(path=[], token=first, emitted=[first], extra_tokens=None,
                                                  prefill=True))
-        overhead_ms = clock.host(started)  # the clock stops: building events (detokenizing) is presentation
+        [overhead_ms] = clock.discount([clock.host(started)], captures.take())  # the clock stops: building events
+        #    (detokenizing) is presentation
         prefill = Prefill(prompt_tokens=n, token=first, piece=detok.push(first), margin=verdict.margins[0],
                           ms=prefill_ms, overhead_ms=overhead_ms, payload=payload)
         yield prefill
@@ -303,9 +338,10 @@ def generate(
             timed; the generator is away from here until the consumer hands back)."""
             started = time.perf_counter()
             draft, verdict, emitted = decoded.draft, decoded.verdict, decoded.emitted
-            draft_ms, verify_ms = decoded.timed()
-            profile.learn(method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, decoded.priced_verify_ms,
-                          draft_ms=draft_ms, chained=decoded.ahead)
+            draft_ms, verify_ms = clock.discount(decoded.timed(), decoded.capture_ms)
+            if not decoded.capture_ms:  # (a step that captured is no step's price)
+                profile.learn(method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, decoded.priced_verify_ms,
+                              draft_ms=draft_ms, chained=decoded.ahead)
             overhead_ms = decoded.observe_ms + clock.host(started, counted)
             away.append(time.perf_counter())
             step = Step(
@@ -315,6 +351,7 @@ def generate(
                 emitted_pieces=tuple(detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
                 forward_tokens=decoded.rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
                 payload=_accounts(decoded.payload), predicted_ms=decoded.predicted_ms, plain_ms=decoded.plain_ms,
+                capture_ms=decoded.capture_ms,
             )
             steps.append(step)
             return step
@@ -381,8 +418,7 @@ def generate(
                 draft.on_device.values = launched.nodes
             verdict = verify(launched.logits, draft, sampling, generator, launched.extra_logits,
                              extra_rows=launched.extra_rows, riders=state.riders + drafted,
-                             before_read=(launched.wait if pipeline
-                                          else functools.partial(clock.mark, wait=launched.ready is not None)))
+                             before_read=launched.wait if pipeline else functools.partial(launched.wait, clock))
             state.riders = []
             if launched.kind is Lookup:
                 fastpath.lookup.check(drafted[0].values, draft.tokens)
@@ -404,6 +440,7 @@ def generate(
             #    forward before it ended)
             timed = (functools.partial(clock.since, last_end, launched.end) if launched.ahead
                      else functools.partial(clock.spans, clock.take()))
+            capture_ms = captures.take()  # (pipelined: since the step before's read, its observe's included)
             last_end = launched.end
             # 7. observe: the method learns from the verdict, before it drafts again
             started = time.perf_counter()
@@ -411,9 +448,12 @@ def generate(
             outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted,
                               extra_tokens=verdict.extra_tokens, priced=priced)
             payload = {**draft.info, **drafter.observe(state, outcome)}
-            observe_ms = clock.host(started, counted=not pipeline or stop is not None)  # else in the next step's span
+            counted = not pipeline or stop is not None  # else in the next step's span, with what it captures
+            observe_ms = clock.host(started, counted)
+            if counted:
+                [observe_ms] = clock.discount([observe_ms], captures.take())
             state.step += 1
-            done = _Decoded(state.step, context, draft, verdict, emitted, rows, timed, observe_ms,
+            done = _Decoded(state.step, context, draft, verdict, emitted, rows, timed, capture_ms, observe_ms,
                             payload, predicted_ms, plain_ms, priced_verify_ms, chained_plain)
 
         generated = tuple(state.tokens[state.prompt_len :])

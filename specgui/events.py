@@ -115,6 +115,7 @@ class Step:
     payload: dict[str, Any] = field(default_factory=dict)
     predicted_ms: float = 0.0  # the cost model's price of this step (draft work + a verify of forward_tokens)
     plain_ms: float = 0.0  # the cost model's price of a plain step at this context
+    capture_ms: float = 0.0  # programs captured inside this step (a plan adopted): left out of its draft and verify ms
 
     @property
     def accepted(self) -> int:
@@ -228,6 +229,40 @@ def summarize(
 
 
 # -- JSON -------------------------------------------------------------------------------------------------
+
+
+# What a run measured, and nothing else: the phases' ms (a step's, the prefill's) and the Summary's sums and rates of
+# them. The cost model's prices (a Step's predicted_ms and plain_ms) are no measurement under an uncalibrated profile.
+# The Summary's predicted_s and plain_s add the measured prompt forward (prompt_s) to those prices. In payloads, what
+# methods time themselves: every `*_ms` and `*_ratio` (a DP's or a search's ms, Fractal's measured over priced cost),
+# and CLaSp's plan prices, which count its last DP's measured time (`dp_ms`) as its overhead.
+TIMED: dict[type, tuple[str, ...]] = {
+    Start: (), Prefill: ("ms", "overhead_ms"), Step: ("draft_ms", "verify_ms", "overhead_ms", "capture_ms"),
+    Summary: ("wall_s", "tokens_per_s", "prefill_s", "draft_s", "verify_s", "overhead_s", "prompt_s", "predicted_s",
+              "plain_s")}
+PRICED_BY_OWN_CLOCK = {"clasp": ("predicted", "best")}
+
+
+def untimed(event: Event, method: str) -> Event:
+    """`event` of a run of `method` with what was measured cleared (`TIMED`; the Summary's prices less the measured
+    prompt forward, rounded): two runs that decoded alike give equal untimed events, whatever their clocks read."""
+    cleared: dict[str, Any] = {name: 0.0 for name in TIMED[type(event)]}
+    if isinstance(event, Summary):
+        for name in ("predicted_s", "plain_s"):  # 0: no prediction (no step)
+            priced = getattr(event, name)
+            cleared[name] = round(priced - event.prompt_s, 9) if priced else 0.0
+    if isinstance(event, Prefill | Step):
+        cleared["payload"] = _untimed_payload(event.payload, PRICED_BY_OWN_CLOCK.get(method, ()))
+    return dataclasses.replace(event, **cleared)
+
+
+def _untimed_payload(value: Any, priced: tuple[str, ...], key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _untimed_payload(v, priced, k) for k, v in value.items()
+                if not k.endswith(("_ms", "_ratio")) and not (key == "plan" and k in priced)}
+    if isinstance(value, list):
+        return [_untimed_payload(v, priced) for v in value]
+    return value
 
 
 def to_json(event: Event) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specgui import decode, fastpath
+from specgui import costs, decode, fastpath
 from specgui import verify as verifier
 from specgui.events import Step
 from specgui.loading import LoadedModel
@@ -59,7 +59,7 @@ class StepHost:
 class _Recorder:
     """The timeline of one run: program calls, verdict reads, launches, the generator's own stretches."""
 
-    cuda: bool
+    clock: costs.DeviceClock  # program marks: on CUDA events on the stream of the model's device
     programs: list[Any] = field(default_factory=list)  # this event's: (start, end) seconds, or CUDA event pairs
     depth: int = 0  # program calls in progress (one inside another is timed with its caller)
     running: float | None = None  # when the generator last resumed; None while the consumer has the event
@@ -95,18 +95,19 @@ class _Recorder:
 
     def finish(self) -> list[StepHost]:
         """Every step's times (on CUDA once the device has run them all)."""
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.clock.cuda:
+            torch.cuda.synchronize(self.clock.device)
         steps = [StepHost(wall_ms=wall_ms, critical_ms=critical_ms,
-                          program_ms=sum(a.elapsed_time(b) if self.cuda else (b - a) * 1000 for a, b in spans))
+                          program_ms=sum(self.clock.ms(a, b) for a, b in spans))
                  for wall_ms, spans, critical_ms in self.pending]
         self.pending = []
         return steps
 
 
 @contextmanager
-def _recording(cuda: bool) -> Iterator[_Recorder]:
-    rec = _Recorder(cuda)
+def _recording(device: torch.device) -> Iterator[_Recorder]:
+    rec = _Recorder(costs.DeviceClock(device))
+    cuda = rec.clock.cuda
     call, new_pass, read_together = fastpath.Program.__call__, Runner.new_pass, verifier.read_together
 
     def timed_call(program: fastpath.Program) -> torch.Tensor:
@@ -116,19 +117,15 @@ def _recording(cuda: bool) -> Iterator[_Recorder]:
         if rec.pass_open:
             rec.pass_open = False
             rec.launch(now)
-        start = torch.cuda.Event(enable_timing=True) if cuda else now
-        if cuda:
-            start.record()
+        start = rec.clock.mark() if cuda else now
         rec.depth += 1
         try:
             return call(program)
         finally:
             rec.depth -= 1
-            end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-            if cuda:
-                end.record()
-            elif rec.read_at is not None:  # a program before the next pass's launch (a tree's keeper): its run is
-                rec.gap_programs_s += end - start  # the device's, which on a GPU runs while the host goes on
+            end = rec.clock.mark()
+            if not cuda and rec.read_at is not None:  # a program before the next pass's launch (a tree's keeper):
+                rec.gap_programs_s += end - start  # its run is the device's, which on a GPU runs while the host goes on
             rec.programs.append((start, end))
 
     def opened(runner: Runner, *args: Any, **kwargs: Any) -> Any:
@@ -159,7 +156,7 @@ def measured_run(lm: LoadedModel, prompt_ids: list[int], method: str, **kwargs: 
                  ) -> tuple[decode.Result, list[StepHost]]:
     """`decode.run` with every step's host times (`decode.generate`'s keyword arguments)."""
     events = []
-    with _recording(lm.runner.device.type == "cuda") as rec:
+    with _recording(lm.runner.device) as rec:
         generator = decode.generate(lm, prompt_ids, method, **kwargs)
         while True:
             rec.resume()

@@ -14,6 +14,7 @@ path's fixed-capacity cache (`specgui.fastpath`) implements it for static shapes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,38 +43,17 @@ def upload(target: torch.Tensor, values: np.ndarray | torch.Tensor) -> None:
     target.copy_(host, non_blocking=True)
 
 
-class Staging:
-    """Host buffers an upload is packed into in place and sent from, reused in turn: pinned on CUDA, where the copy
-    runs behind the host, so a buffer is rewritten only once the copy out of it has run (an event recorded behind
-    each). What `upload` makes at every call (a host array, its tensor, on CUDA a pinned block), made once: a pass's
-    launch is host time a GPU waits for (on a CPU its upload cost ~0.03 ms of the ~0.11 between a verdict's read and
-    the next forward's launch, cold after a forward)."""
+# what the host's waits for the device (a read of its values, a timing's synchronisation: `wait_for_devices`) also
+# wait for where a device runs behind the host without CUDA's own synchronisation (the emulation's:
+# `fastpath.emulation`); on CUDA the read itself waits for everything launched before it
+DEVICE_WAITS: list[Callable[[list[torch.Tensor] | None], None]] = []
 
-    SLOTS = 2  # a buffer in flight while the next is packed: the device is at most a pass behind the host's uploads
 
-    def __init__(self, initial: np.ndarray, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.buffers = [torch.from_numpy(initial.copy()) for _ in range(self.SLOTS)]
-        if self.cuda:
-            self.buffers = [buffer.pin_memory() for buffer in self.buffers]
-        self.arrays = [buffer.numpy() for buffer in self.buffers]  # the same memory, written on the host
-        self.sent: list[torch.cuda.Event | None] = [None] * self.SLOTS
-        self.slot = 0
-
-    def next(self) -> np.ndarray:
-        """The buffer to pack the next upload into, as it was last packed (its own since: `slot` says which)."""
-        sent = self.sent[self.slot]
-        if sent is not None:
-            sent.synchronize()  # (the copy out of it before: enqueued a pass ago, run long since)
-        return self.arrays[self.slot]
-
-    def send(self, target: torch.Tensor) -> None:
-        """`target` gets the buffer `next` gave, as one copy (on CUDA non-blocking); the next buffer's turn comes."""
-        target.copy_(self.buffers[self.slot], non_blocking=True)
-        if self.cuda:
-            self.sent[self.slot] = torch.cuda.Event()
-            self.sent[self.slot].record()
-        self.slot = (self.slot + 1) % self.SLOTS
+def wait_for_devices(reading: list[torch.Tensor] | None = None) -> None:
+    """The host waits here for what `DEVICE_WAITS` holds (nothing, but inside the emulation): to read `reading` (a
+    read of host memory, a pinned row, waits for nothing), or for everything launched (None)."""
+    for wait in DEVICE_WAITS:
+        wait(reading)
 
 
 def read_together(parts: list[torch.Tensor]) -> list[float]:
@@ -81,6 +61,7 @@ def read_together(parts: list[torch.Tensor]) -> list[float]:
     that lie in one buffer (the fast path's `readout`: a verify's Top and a draft chain's or Fractal's slot guesses)
     as the span that covers them, the gaps dropped on the host; others joined first (one device operation, as
     float32)."""
+    wait_for_devices(parts)
     if len(parts) == 1:
         return parts[0].reshape(-1).tolist()
     first = parts[0]

@@ -6,7 +6,6 @@ each method's tests call them with the method's name (and parameters that make i
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -15,21 +14,12 @@ from typing import Any
 import pytest
 import torch
 from scipy import stats
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
-from specgui import arena, compiled, costs, cpu_layers, decode, kernels, methods
-from specgui.loading import LoadedModel, ModelSpec
+from specgui import compiled, costs, decode, methods
+from specgui.loading import LoadedModel
 from specgui.runner import Runner
 from specgui.sampling import Sampling
+from specgui.tiny import CharTokenizer, tiny_model  # noqa: F401  (the tests' models)
 
 # compiled programs on a CPU: inductor's C++ backend builds its kernels with the machine's compiler
 needs_inductor = pytest.mark.skipif(compiled.available("cpu") is not None,
@@ -40,57 +30,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU her
 
 # One short prompt per suite category: for checks of what a suite run lays out, not of the suite's prompts
 SHORT_PROMPTS = Path(__file__).resolve().parent / "data" / "short-prompts.jsonl"
-
-
-class CharTokenizer:
-    """Token i is the letter chr(97 + i % 26): enough tokenizer for models built in-process."""
-
-    chat_template = None
-
-    def __init__(self, vocab: int, eos: int | None = None) -> None:
-        self.vocab = vocab
-        self.eos_token_id = eos
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": [(ord(c) - 97) % self.vocab for c in text]}
-
-    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
-        return "".join(chr(97 + int(i) % 26) for i in ids if not (skip_special_tokens and i == self.eos_token_id))
-
-
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
-
-
-def tiny_model(*, vocab: int = 48, layers: int = 4, hidden: int = 64, seed: int = 0, arch: str = "llama",
-               init: float = 0.08, eos: int | None = None, attn: str = "sdpa", cpu: bool = True) -> LoadedModel:
-    """A random Llama-family model small enough to run thousands of steps in a test.
-
-    `init` scales the random weights: larger values make the next-token distribution peakier, which
-    keeps greedy decisions away from numerical ties. `cpu`: its decoder layers run as C calls where they can
-    (`specgui.cpu_layers`, as a loaded model's do); else transformers' modules.
-    """
-    torch.manual_seed(seed)
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                        max_position_embeddings=1024, initializer_range=init, tie_word_embeddings=False,
-                        eos_token_id=eos, bos_token_id=None, pad_token_id=None)
-    model = model_cls(config).eval()
-    model.set_attn_implementation(attn)
-    arena.gather(model)  # as `loading.load` does: the weights in one aligned buffer
-    if cpu:  # as `loading.load` does: the machine's own matmul forms, then the C layers
-        kernels.install(model)
-        cpu_layers.install(model)
-    runner = Runner(model)
-    return LoadedModel(spec=ModelSpec(name=f"tiny-{arch}"), name=f"tiny-{arch}", model=model,
-                       tokenizer=CharTokenizer(vocab, eos), runner=runner,
-                       stop_ids=frozenset() if eos is None else frozenset({eos}), max_context=1024, load_s=0.0,
-                       source="in-process")
 
 
 def rounding_bound(length: int, magnitude: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -129,23 +68,8 @@ def baseline_run(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> decode
     return _BASELINES[key]
 
 
-def drafting(method: str, params: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`params` with the paper's fixed draft sizes unless they say otherwise: losslessness is about what the
-    verifier makes of drafts, so these checks make sure there are drafts (the cost model may pause them)."""
-    fields = {f.name for f in dataclasses.fields(methods.get(method).Params)}
-    if "policy" not in fields or (params and "policy" in params):
-        return params
-    return {**(params or {}), "policy": "fixed"}
-
-
-def flat_profile(lm: LoadedModel, fast_path: bool, ms: float = 10.0) -> costs.CostProfile:
-    """A hand-made cost profile in which a forward costs `ms` whatever its rows and context: for checks whose
-    verdicts rest on no price (fixed draft sizes), so that they measure no profile of their own (on the CPU's
-    fast path, the embedded model's took ~37 s and left the static cache sized for a 1088-token context)."""
-    layers = lm.runner.num_layers
-    return costs.CostProfile(key=costs.profile_key(lm, fast_path), sizes=[1, 64], contexts=[128],
-                             forward=[[ms, ms]], step=ms, attn=[ms / (4 * layers)] * layers,
-                             mlp=[ms / (4 * layers)] * layers, head=ms / 10)
+drafting = methods.fixed  # (the tests' name)
+flat_profile = costs.flat_profile  # (the tests' name)
 
 
 def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int]], max_new_tokens: int,
@@ -231,8 +155,8 @@ def _merge_small_cells(observed: torch.Tensor, expected: torch.Tensor, minimum: 
     return obs, exp * scale
 
 
-def on_cuda(lm: LoadedModel, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """`lm` (an in-process model) moved to the GPU, with a runner of its own there."""
-    model = lm.model.to("cuda", dtype)
+def on_cuda(lm: LoadedModel, dtype: torch.dtype = torch.float32, device: str = "cuda") -> LoadedModel:
+    """`lm` (an in-process model) moved to the GPU (`device`), with a runner of its own there."""
+    model = lm.model.to(device, dtype)
     return LoadedModel(spec=lm.spec, name=lm.name, model=model, tokenizer=lm.tokenizer, runner=Runner(model),
                        stop_ids=lm.stop_ids, max_context=lm.max_context, load_s=0.0, source="in-process")

@@ -25,7 +25,7 @@ def test_layer_functions_equal_transformers_layers(arch, by_hand):
     if arch == "llama":  # more query heads per key head than the helper's two
         assert runner.config.num_attention_heads // runner.config.num_key_value_heads >= 2
     ids = torch.randint(0, runner.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
-    shape = compiled.shape_of(runner.config, torch.device("cpu"))._replace(by_hand=by_hand)
+    shape = compiled.shape_of(runner.config, by_hand)
     columns, t = 32, ids.shape[1]
     with torch.inference_mode():
         expected = model.model(ids).last_hidden_state
@@ -91,7 +91,7 @@ def test_in_bf16_the_compiled_layer_equals_its_two_units_bit_for_bit():
     decoding's tokens at near-ties (seen on an H200). Rounded as eager rounds, all three forms agree bit for bit."""
     lm = tiny_model(cpu=False, hidden=96)
     block = lm.runner.layers[0]
-    shape = compiled.shape_of(lm.runner.config, torch.device("cpu"))
+    shape = compiled.shape_of(lm.runner.config, False)
     weights = compiled.LayerWeights(*(None if w is None else w.to(torch.bfloat16)
                                       for w in compiled.weights_of(block)))
     rows, columns = 5, 16

@@ -170,6 +170,19 @@ def test_cuda_graphs_are_token_identical_in_fp32(method):
 
 
 @cuda
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="one CUDA GPU here")
+@pytest.mark.parametrize("method", ["baseline", "pld", "clasp", "fractal"])
+def test_a_model_on_another_gpu_than_the_current_one_orders_its_own_copies(method):
+    """Pinned rows, staging buffers and clock marks are ordered by events on the stream of the model's device: a model
+    on the last GPU while the current device is the first decodes pipelined (its chained steps read through those
+    events) exactly as plain decoding does."""
+    last = f"cuda:{torch.cuda.device_count() - 1}"
+    assert torch.cuda.current_device() == 0
+    lm = on_cuda(tiny_model(seed=3), device=last)
+    assert_greedy_identical(lm, method, TINY_PROMPTS, 40, fast_path="on", min_accepted=0)
+
+
+@cuda
 def test_cuda_graph_verify_of_many_tokens_costs_about_one():
     """The premise of speculative decoding on a GPU: a 32-token forward costs < 2x a 1-token forward."""
     lm = on_cuda(tiny_model(hidden=512, layers=8, vocab=1024), dtype=torch.bfloat16)

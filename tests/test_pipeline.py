@@ -6,50 +6,18 @@ Every run here is priced by a hand-made profile (`helpers.flat_profile`: no cali
 draft or prices a step) at the paper's fixed draft sizes (`helpers.drafting`): two runs of one method then differ
 only in what was timed."""
 
-import dataclasses
 import time
 
 import pytest
 
 from helpers import baseline_run, cuda, drafting, flat_profile, on_cuda, tiny_model
 from specgui import costs, decode, fastpath, hosttime, methods, text
-from specgui.events import Prefill, Start, Step, Summary
+from specgui.events import untimed
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [20, 21, 20, 21, 20, 21, 22]]
 SLEEP_S = 0.05
 
-# What was measured, and nothing else: the phases' ms (a step's, the prefill's) and the Summary's sums and rates of
-# them. The cost model's prices (a Step's predicted_ms and plain_ms) stay compared: under an uncalibrated profile they
-# depend on no timing. The Summary's predicted_s and plain_s add the measured prompt forward (prompt_s) to those
-# prices, so they are compared less it. In payloads, what methods time themselves: every `*_ms` and `*_ratio` (what
-# bench sums as a method's phase figures: a DP's or a search's ms, Fractal's measured over priced cost), and CLaSP's
-# plan prices, which count its last DP's measured time (`dp_ms`) as its overhead.
-TIMED = {Start: (), Prefill: ("ms", "overhead_ms"), Step: ("draft_ms", "verify_ms", "overhead_ms"),
-         Summary: ("wall_s", "tokens_per_s", "prefill_s", "draft_s", "verify_s", "overhead_s", "prompt_s",
-                   "predicted_s", "plain_s")}
-PRICED_BY_OWN_CLOCK = {"clasp": ("predicted", "best")}
 OWN_STATE = {"swift": {"persist": False}}  # SWIFT's search goes on across runs: each run here starts its own
-
-
-def untimed(event, method):
-    """`event` with its measured figures cleared (and the Summary's prices less the measured prompt forward)."""
-    cleared = {name: 0.0 for name in TIMED[type(event)]}
-    if isinstance(event, Summary):
-        for name in ("predicted_s", "plain_s"):  # 0: no prediction (no step)
-            priced = getattr(event, name)
-            cleared[name] = pytest.approx(priced - event.prompt_s if priced else 0.0, abs=1e-9)
-    if isinstance(event, (Prefill, Step)):
-        cleared["payload"] = _untimed_payload(event.payload, PRICED_BY_OWN_CLOCK.get(method, ()))
-    return dataclasses.replace(event, **cleared)
-
-
-def _untimed_payload(value, priced, key=""):
-    if isinstance(value, dict):
-        return {k: _untimed_payload(v, priced, k) for k, v in value.items()
-                if not k.endswith(("_ms", "_ratio")) and not (key == "plan" and k in priced)}
-    if isinstance(value, list):
-        return [_untimed_payload(v, priced) for v in value]
-    return value
 
 
 def params(method):

@@ -10,6 +10,9 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
   * `cache`: `StaticKVCache`, buffers of a capacity fixed when the run starts, and its read-only views;
   * `inputs`: buckets (a forward of T tokens runs as the next size in `BUCKETS`) and `BucketInputs`, the device
     tensors every program of a bucket reads, loaded by one upload and one replay;
+  * `device`: what the fast path asks of its device beyond arithmetic (capture and replay, copies between host and
+    device, their events, staging buffers): CUDA's, a CPU's, and (`emulation`) CUDA's semantics computed on a CPU,
+    which the tests and `python -m specgui smoke --emulate` run;
   * `program`: `Program`, a function of one static input buffer, captured as a CUDA graph on CUDA and called
     elsewhere, and the cache's table of them; the contract on held outputs (`overwrite_check`);
   * `programs`: which programs a pass runs (a stretch of layers, a draft chain, a bucket of rows, a sub-layer),
@@ -33,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from specgui.errors import SpecGUIError
+from specgui.fastpath import device
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.inputs import BUCKETS, bucket, masks
 from specgui.fastpath.lookup import LookupSteps
@@ -88,12 +92,14 @@ def cache_for(runner: Runner, needed: int) -> StaticKVCache:
 
     One cache serves a runner's runs, because captured graphs hold the addresses of its buffers: a new
     cache would capture every program again. A run that needs more room gets a larger cache (capacity
-    doubled past the need, so that growth is rare). The runner holds it, so it lives exactly as long as
+    doubled past the need, so that growth is rare), and so does one whose programs would run otherwise (compiled or
+    not, on another kind of device: `device.installed`). The runner holds it, so it lives exactly as long as
     the model (a module-level table would keep every model ever loaded alive, graphs and all).
     """
     cache = runner.static_cache
     compiles = compiles_for(runner)
-    if cache is None or cache.capacity < needed + SLACK or cache.programs.compiled != compiles:
+    if (cache is None or cache.capacity < needed + SLACK or cache.programs.compiled != compiles
+            or type(cache.programs.device) is not device.kind_for(runner.device)):
         capacity = 256
         while capacity < needed + SLACK:
             capacity *= 2

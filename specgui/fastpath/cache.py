@@ -116,6 +116,26 @@ class StaticKVCache(KVCache):
         program()
         self.lengths = [start + n] * len(self.lengths)
 
+    def nonfinite(self) -> list[str]:
+        """What of this cache holds NaN or Inf, named: its layers' keys and values (all of them: zeros as allocated,
+        keys computed from real or padded rows, so a non-finite one is a defect wherever it sits), and the outputs of
+        its programs that have run (a program's last output)."""
+        found = [f"{kind} of layer {layer}" for kind, buffers in (("keys", self.keys), ("values", self.values))
+                 for layer, buffer in enumerate(buffers) if not torch.isfinite(buffer).all()]
+        for name, program in self.programs.by_key.items():
+            output = program.output
+            if (program.calls and output is not None and output.is_floating_point()
+                    and not torch.isfinite(output).all()):
+                found.append(f"the output of program {name}")
+        return found
+
+    def waits(self) -> int:
+        """How often the host waited for a staging buffer's copy to land (`device.Staging.waits`): on a GPU a stall of
+        the host mid-step, until the device caught up."""
+        stagings = [inputs.staging for inputs in self.inputs.values()]
+        stagings += [program.staging for program in self.programs.by_key.values()]
+        return sum(staging.waits for staging in stagings if staging is not None)
+
     def keeper(self, rows: int) -> Program:
         """The program moving up to `rows` keys and values of every layer: from the columns in its input's first row
         to those in its second (made at warm-up per bucket; its output is read by nobody)."""

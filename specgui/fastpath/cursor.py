@@ -15,6 +15,7 @@ import torch
 
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
+from specgui.fastpath.device import Event
 from specgui.fastpath.inputs import fixed_block
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.readout import HostRows
@@ -61,7 +62,10 @@ class Block:
 
 
 def row_program(cache: StaticKVCache) -> Program:
-    """The program behind `start_row`: its input [length, id] (int64) the host's two values, the rest `Block.build`."""
+    """The program behind `start_row`: its input [length, id] (int64) the host's two values, the rest `Block.build`.
+    Until a start sends its own, the input is a row at the scratch region's first column (length capacity + 1), so
+    that a capture's warm-up run builds inputs that write nowhere a run reads (zeros would be a row at position -1:
+    every layer's write index -1, its mask seeing nothing)."""
 
     def make() -> Program:
         block = Block(cache, 1)
@@ -70,8 +74,10 @@ def row_program(cache: StaticKVCache) -> Program:
             block.build(control[:1], control[1:])
             return control
 
-        return Program(run, torch.zeros(2, dtype=torch.long, device=cache.runner.device), cache.programs, True,
-                       read=False)
+        program = Program(run, torch.zeros(2, dtype=torch.long, device=cache.runner.device), cache.programs, True,
+                          read=False)
+        program.input[0] = cache.capacity + 1
+        return program
 
     return cache.programs.get(key(None, ROW, 1), make)
 
@@ -89,7 +95,7 @@ def start_row(cache: StaticKVCache, position: int, token: int) -> None:
 
 
 def replay(cache: StaticKVCache, program: Program, control: tuple[float, ...], rows: int, host: HostRows
-           ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+           ) -> tuple[torch.Tensor, Event | None]:
     """One chained step whose one program does the whole step (`lookup.LookupSteps`, `slots.SlotSteps`): its `control`
     values sent, the program run as a forward pass of its own (counted: `dispatch`), the bucket of `rows` left to
     whichever pass wants it next (its inputs were built on the device: that pass loads its own), and the output copied

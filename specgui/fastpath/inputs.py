@@ -21,8 +21,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from specgui.fastpath.device import Staging
 from specgui.fastpath.program import Program, Programs
-from specgui.kvcache import Staging, to_device
+from specgui.kvcache import to_device
 from specgui.runner import Runner
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
@@ -92,7 +93,7 @@ class BucketInputs:
     owner: object = field(default=None, repr=False)
     builder: Program | None = field(default=None, repr=False)  # a bucket's: fills the tensors above from the upload
     staging: Staging | None = field(default=None, repr=False)  # a bucket's: where its uploads are packed (`load`)
-    shown: list[int] = field(default_factory=list, repr=False)  # per staging buffer, the rows its last pass packed
+    shown: dict[int, int] = field(default_factory=dict, repr=False)  # per staging buffer, the rows its last pass packed
 
     @classmethod
     def empty(cls, store: Store, rows: int) -> BucketInputs:
@@ -106,8 +107,7 @@ class BucketInputs:
                    torch.zeros(1, dtype=torch.long, device=device))
         if bucket(rows) == rows:  # a bucket's inputs live on; a larger forward's are made for its one pass
             initial = cls.layout(rows, runner.num_layers)
-            made.staging = Staging(initial, device)
-            made.shown = [0] * made.staging.SLOTS
+            made.staging = Staging(initial, store.programs.device)
             made.builder = Program(made._build, torch.from_numpy(initial).to(device), store.programs, True, read=False)
         return made
 
@@ -141,7 +141,7 @@ class BucketInputs:
             self._pack(packed, t, positions, visible, tokens, 0)
             self._build(to_device(torch.from_numpy(packed), self.positions.device))
         else:  # into the staging buffer over what it held: only what may differ is written
-            self._pack(packed, t, positions, visible, tokens, self.shown[staging.slot])
+            self._pack(packed, t, positions, visible, tokens, self.shown.get(staging.slot, 0))
             self.shown[staging.slot] = t
             staging.send(self.builder.input)
             self.builder()

@@ -19,11 +19,15 @@ forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from specgui import compiled
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.cursor import Block, Synced, replay
+from specgui.fastpath.device import Event
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
@@ -33,13 +37,15 @@ from specgui.runner import VERIFY_TOP, Top
 LOOKUP = -5  # the `kind` of a lookup step's program in the cache's table
 
 
+@compiled.register("match")
 def match(history: torch.Tensor, length: torch.Tensor, ngrams: tuple[int, int], count: int
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The lookup of `methods.pld.NgramIndex` over the first `length` ([1]) ids of `history` [C], in fixed shapes (no
     read, so that it runs inside a captured program): the longest suffix n-gram (n from `ngrams`' longest down to its
     shortest) whose first earlier occurrence has a continuation. Returns the `count` ids after that occurrence [count]
     (clamped to the buffer: only the first `available` are the continuation), how many of them are (`available` [1],
-    0 without a match) and the n matched ([1], 0 without)."""
+    0 without a match) and the n matched ([1], 0 without). About 15 small operations a size over the whole history:
+    where the programs compile, called compiled (`matcher`), a few fused kernels."""
     columns = history.shape[0]
     starts = torch.arange(columns, device=history.device)
     found = torch.zeros(1, dtype=torch.bool, device=history.device)
@@ -62,6 +68,12 @@ def match(history: torch.Tensor, length: torch.Tensor, ngrams: tuple[int, int], 
     return ids, available, size
 
 
+def matcher(cache: StaticKVCache) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`match` as the cache's programs call it: compiled where they compile (`Programs.kernel`)."""
+    table = cache.programs
+    return table.kernel("match") if table.compiled else match
+
+
 def lookup_program(cache: StaticKVCache, rows: int, ngrams: tuple[int, int]) -> Program:
     """The program of one chained lookup step at a bucket of `rows` (1: a step that drafts nothing, its lookup left
     out). Its input: [size, length], the most tokens to draft and, where the host knows it (a chain's first step), the
@@ -72,13 +84,13 @@ def lookup_program(cache: StaticKVCache, rows: int, ngrams: tuple[int, int]) -> 
     def make() -> Program:
         block = Block(cache, rows)
         forward = forward_program(cache, block.inputs, top=VERIFY_TOP)
-        ahead = block.ahead
+        ahead, find = block.ahead, matcher(cache)
 
         def run(control: torch.Tensor) -> torch.Tensor:
             length = torch.where(control[1:] >= 0, control[1:], cursor)  # [1]: the pending token's included
             pending = history.index_select(0, length - 1)
             if rows > 1:
-                draft, available, _ = match(history, length, ngrams, rows - 1)
+                draft, available, _ = find(history, length, ngrams, rows - 1)
                 valid = ahead[: rows - 1] < torch.minimum(available, control[:1])
                 ids = torch.cat([pending, torch.where(valid, draft, pending)])
             else:
@@ -105,10 +117,10 @@ class LookupSteps:
 
     def __init__(self, cache: StaticKVCache, ngrams: tuple[int, int]) -> None:
         self.cache, self.ngrams = cache, ngrams
-        self.host = HostRows(cache.tokens.shape[1] * (width(VERIFY_TOP) + 1), cache.runner.device)
+        self.host = HostRows(cache.tokens.shape[1] * (width(VERIFY_TOP) + 1), cache.programs.device)
         self.synced = Synced(cache)
 
-    def launch(self, size: int, tokens: list[int] | None) -> tuple[Top, torch.cuda.Event | None, torch.Tensor]:
+    def launch(self, size: int, tokens: list[int] | None) -> tuple[Top, Event | None, torch.Tensor]:
         """A step drafting up to `size` tokens from the device's history, or, given the run's `tokens` (the pending
         one last), from those. Returns its verdict as a host `Top` [rows, 3 k + 1], the event to wait for before
         reading it (None off CUDA) and the host view of the ids it drafted [rows] (read with the verdict: `check`)."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from specgui.fastpath.cache import StaticKVCache, StaticView
 from specgui.fastpath.cursor import start_row
+from specgui.fastpath.device import Event
 from specgui.fastpath.inputs import BucketInputs, bucket, fixed_block
 from specgui.fastpath.program import Program
 from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
@@ -204,11 +205,11 @@ class PlainSteps:
         self.cache = cache
         self.inputs = cache.inputs_for(1)
         self.program, self.ring = chained_program(cache, self.inputs, None, 1)
-        self.host = HostRows(self.ring.shape[1], cache.runner.device)
+        self.host = HostRows(self.ring.shape[1], cache.programs.device)
         self.loaded: StaticPass | None = None  # the pass whose load the inputs hold (moved on by the replays since)
         self.origin = self.at = -1  # the position of the buffer's first row, and the next replay's
 
-    def launch(self, position: int, pending: int | None) -> tuple[Top, torch.cuda.Event | None]:
+    def launch(self, position: int, pending: int | None) -> tuple[Top, Event | None]:
         """Step at `position` (the pending token's): its id `pending` from the host, or (None) the id the replay before
         left on the device. Returns its verdict as a host `Top` [1, 3 k + 1] and the event to wait for before reading
         it (None off CUDA, where it is ready)."""

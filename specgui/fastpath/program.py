@@ -2,8 +2,9 @@
 the table of those made over one cache (`Programs`), which says how they run.
 
 On CUDA a program is captured as a CUDA graph and replayed; elsewhere it is the same function called on the same
-buffers, so that a test on a CPU checks everything but the capture itself. Which programs a pass runs, and what is
-inside them, is `programs`' business; this module only makes any function a program.
+buffers. How is the table's `device`'s business (`fastpath.device`): the emulation's device (`fastpath.emulation`)
+captures and replays as CUDA does, on a CPU, so that a test there checks the capture too. Which programs a pass runs,
+and what is inside them, is `programs`' business; this module only makes any function a program.
 
 Every program owns its output buffer, allocated before capture outside the graphs' shared memory pool: a replay of a
 program captured earlier can reuse the pool's memory of one captured later, never its output (the verify forwards'
@@ -30,7 +31,8 @@ import torch
 from torch import nn
 
 from specgui import compiled
-from specgui.kvcache import Staging
+from specgui.fastpath import device as devices
+from specgui.fastpath.device import Staging
 from specgui.runner import Runner, SkipPlan
 
 PLANS = 8  # skip plans whose forward programs a table keeps (the least recently used goes first)
@@ -38,8 +40,9 @@ LOG = logging.getLogger("specgui.fastpath")
 
 
 def compiles_for(runner: Runner) -> bool:
-    """Whether the runner's fast-path programs run compiled kernels, by its `compile_mode` (`compiled.resolve`)."""
-    return compiled.resolve(runner.compile_mode, runner.device)
+    """Whether the runner's fast-path programs run compiled kernels, by its `compile_mode` (`compiled.resolve`, or
+    the installed device's own rule: `fastpath.device.installed`)."""
+    return devices.kind_for(runner.device).compiles(runner.compile_mode, runner.device)
 
 
 def key(block: nn.Module | None, kind: int, rows: int, *variant: Any) -> tuple[Any, ...]:
@@ -48,27 +51,29 @@ def key(block: nn.Module | None, kind: int, rows: int, *variant: Any) -> tuple[A
 
 
 class Programs:
-    """The programs made over one cache, by key (`by_key`), and how they run: as CUDA graphs (`graphs`: on CUDA, where
-    the model can be captured) in one memory pool, their warm-ups on one side stream; with compiled kernels
-    (`compiled`, of `shape`) or the modules. Made after the cache's buffers, so that `base_bytes` counts what the
-    graphs add to them. One table per cache: captured graphs hold the addresses of its buffers."""
+    """The programs made over one cache, by key (`by_key`), and how they run: on the cache's `device` (captured and
+    replayed where it has `graphs`), with compiled kernels (`compiled`, of `shape`) or the modules. Made after the
+    cache's buffers, so that `base_bytes` counts what the graphs add to them. One table per cache: captured graphs
+    hold the addresses of its buffers."""
 
     def __init__(self, runner: Runner) -> None:
-        self.graphs = runner.device.type == "cuda" and runner.capturable
+        self.device = devices.device_for(runner.device, runner.capturable)
+        self.graphs = self.device.graphs
         self.compiled = compiles_for(runner)
-        self.shape = compiled.shape_of(runner.config, runner.device)
+        self.shape = compiled.shape_of(runner.config, self.device.by_hand)
         self.by_key: dict[tuple[Any, ...], Program] = {}
         self.plans: collections.OrderedDict[SkipPlan, None] = collections.OrderedDict()  # most recently used last
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self.side = torch.cuda.Stream(runner.device) if self.graphs else None  # every capture's warm-up runs here
         self.capture_s = 0.0
         self.graph_bytes = 0
-        if self.graphs:
-            self.base_bytes = torch.cuda.memory_allocated(runner.device)
+        self.base_bytes = self.device.memory()
 
     def __len__(self) -> int:
         """The programs held (what a start's calibration reports it made)."""
         return len(self.by_key)
+
+    def kernel(self, name: str) -> Callable[..., torch.Tensor]:
+        """The compiled function `name` (`compiled.FUNCTIONS`) as this table's programs call it."""
+        return self.device.kernel(name)
 
     def get(self, name: tuple[Any, ...], make: Callable[[], Program]) -> Program:
         """The program of key `name`, made by `make()` on first use."""
@@ -86,14 +91,14 @@ class Programs:
 
 
 class Program:
-    """A function of one static input buffer, run by CUDA graph replay on CUDA, by a plain call elsewhere. The buffer
-    is the program's own, or (`shared`) the `example` itself: whole-model forwards read their ids from a view of the
-    cache's token buffer, where the pass's upload or a chained draft puts them.
+    """A function of one static input buffer, run by a replay of its capture where the table's device captures, by a
+    plain call elsewhere. The buffer is the program's own, or (`shared`) the `example` itself: whole-model forwards
+    read their ids from a view of the cache's token buffer, where the pass's upload or a chained draft puts them.
 
-    `__call__` returns the output buffer, the same tensor every time. On CUDA `prepare` (at warm-up, or on
-    first use) runs the function once on the table's side stream (lazy initialisations, allocator), allocates
-    the output buffer from that result outside the graphs' pool, then captures the function and a copy into that
-    buffer, its intermediates in the table's graph memory pool; a function that cannot be captured stays eager.
+    `__call__` returns the output buffer, the same tensor every time. Where the device captures, `prepare` (at
+    warm-up, or on first use) has it run the function once (lazy initialisations, allocator), allocate the output
+    buffer from that result, then capture the function and a copy into that buffer (`device.Host.capture`); a
+    function that cannot be captured stays eager.
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, table: Programs,
@@ -105,39 +110,51 @@ class Program:
         self.given = output  # where its output goes, if not a buffer of its own (a verify Top: the cache's readout)
         self.output: torch.Tensor | None = output
         self.graphs = table.graphs and capturable
-        self.graph: Any = None
+        self.graph: devices.Replay = None
         self.failed = False
         self.ready = False
+        self.calls = 0  # (before its first, a captured program's output holds nothing: `StaticKVCache.nonfinite`)
         self.staging: Staging | None = None  # where `send` packs the host's values (made at its first use)
 
     def prepare(self) -> None:
-        """Capture now (CUDA), or, where the table compiles, run once now so that its functions compile here rather
-        than inside a timed step (elsewhere); called once, before the first call. The time goes to `capture_s`."""
+        """Capture now (where the device captures), or, where the table compiles, run once now so that its functions
+        compile here rather than inside a timed step (elsewhere); called once, before the first call. The time goes to
+        `capture_s`."""
         self.ready = True
         started = time.perf_counter()
+        device = self.table.device
+        device.follow()
         if self.graphs:
-            self._capture()
+            try:
+                self.output, self.graph = device.capture(self.fn, self.input, self.output)
+            except RuntimeError as exc:
+                if not any(p.failed for p in self.table.by_key.values()):
+                    LOG.warning("a program could not be captured as a CUDA graph and runs eagerly (others may "
+                                "follow, logged once): %s", str(exc).splitlines()[0])
+                self.graphs, self.output, self.failed = False, self.given, True
         elif self.table.compiled:
             self.fn(self.input)
         self.table.capture_s += time.perf_counter() - started
 
     def send(self, values: Any) -> None:
         """The host's `values` (anything numpy assigns to the input's shape) into the input, as one copy from a
-        staging buffer of the program's own (pinned on CUDA, reused in turn: `kvcache.Staging`): a launch's few
+        staging buffer of the program's own (pinned on CUDA, reused in turn: `device.Staging`): a launch's few
         control values without a host array, its tensor and, on CUDA, a pinned block made at every launch (host time
         between a verdict's read and the next launch, where a GPU waits for it)."""
         if self.staging is None:
             dtype = torch.empty(0, dtype=self.input.dtype).numpy().dtype
-            self.staging = Staging(np.zeros(self.input.shape, dtype=dtype), self.input.device)
+            self.staging = Staging(np.zeros(self.input.shape, dtype=dtype), self.table.device)
         self.staging.next()[...] = values
         self.staging.send(self.input)
 
     def __call__(self) -> torch.Tensor:
         if not self.ready:
             self.prepare()
+        self.calls += 1
         if self.graph is not None:
             self.graph.replay()
         else:
+            self.table.device.follow()
             out = self.fn(self.input)
             if self.output is None:
                 self.output = torch.empty_like(out)
@@ -148,26 +165,6 @@ class Program:
                     other.output.fill_(float("nan"))
             _live[:] = [self]
         return self.output
-
-    def _capture(self) -> None:
-        side = self.table.side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            first = self.fn(self.input)
-            if self.output is None:
-                self.output = torch.empty_like(first)  # outside the shared pool: no replay reuses it
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.table.pool, stream=side):
-                self.output.copy_(self.fn(self.input))
-        except RuntimeError as exc:
-            if not any(p.failed for p in self.table.by_key.values()):
-                LOG.warning("a program could not be captured as a CUDA graph and runs eagerly (others may "
-                            "follow, logged once): %s", str(exc).splitlines()[0])
-            self.graphs, self.output, self.failed = False, self.given, True
-            return
-        self.graph = graph
 
 
 @contextlib.contextmanager

@@ -72,8 +72,9 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
     given `plans`, those skip plans' forwards, plain, ending in a draft's head and chained with `nodes` ids a
     position (`passes.chain`); given `hooks`, the whole forward with each hook inside, ending in a verify's head, at
     its bucket. At `buckets`.
-    Captures run on inputs that touch only the scratch region, so the cache's contents stay as they are. Programs
-    made before are skipped: a second call is free."""
+    Captures run on inputs that touch only the scratch region (loaded before each), so the cache's contents stay as
+    they are, and no bucket's inputs are left marked as the warm-up's. Programs made before are skipped: a second call
+    is free."""
     runner = cache.runner
 
     def wanted(inputs: BucketInputs) -> list[Program]:
@@ -96,19 +97,22 @@ def warm_up(cache: StaticKVCache, pieces: Sequence[Piece] | None = None, plans: 
     with torch.inference_mode():
         for rows in buckets:
             inputs = cache.inputs_for(rows)
-            programs = [program for program in wanted(inputs) if not program.ready]
-            if not programs:
-                continue
-            nowhere = np.zeros(runner.num_layers, dtype=np.int64)  # nothing seen, keys written to the scratch
-            inputs.load(_WARM_UP, np.zeros(rows, dtype=np.int64), nowhere, nowhere + cache.capacity,
-                        fixed_block(rows, causal=False))
-            for program in programs:
+            for program in wanted(inputs):
+                if program.ready:
+                    continue
+                # each capture on inputs that touch only the scratch region: loaded afresh before each, as a program
+                # may build or move them on the device (a chained step, a row's start), and left owned by nobody, so
+                # that the next pass, a later warm-up's included, loads its own
+                nowhere = np.zeros(runner.num_layers, dtype=np.int64)  # nothing seen, keys written to the scratch
+                inputs.load(_WARM_UP, np.zeros(rows, dtype=np.int64), nowhere, nowhere + cache.capacity,
+                            fixed_block(rows, causal=False))
                 program.prepare()
+                inputs.owner = None
                 made += 1
     table = cache.programs
     if made and table.graphs:
-        torch.cuda.synchronize()
-        table.graph_bytes = torch.cuda.memory_allocated(runner.device) - table.base_bytes
+        table.device.synchronize()
+        table.graph_bytes = table.device.memory() - table.base_bytes
 
 
 def adopt(cache: Cache, plan: SkipPlan, nodes: int = 1) -> None:
@@ -139,8 +143,8 @@ def units(cache: StaticKVCache, block: nn.Module, layer: int, kinds: tuple[int, 
         return h
     weights = compiled.weights_of(block)
     if kinds == (MLP,):
-        return compiled.compiled("mlp")(h, weights, table.shape)
-    return compiled.compiled("layer" if len(kinds) == 2 else "attention")(
+        return table.kernel("mlp")(h, weights, table.shape)
+    return table.kernel("layer" if len(kinds) == 2 else "attention")(
         h, weights, cache.keys[layer], cache.values[layer], inputs.cos, inputs.sin, inputs.mask[layer],
         inputs.index[layer], table.shape)
 

@@ -8,9 +8,11 @@ a program leaves what the step's verdict read brings along (a draft chain's Tops
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specgui.errors import SpecGUIError
+from specgui.fastpath.device import Event, Host
 from specgui.runner import VERIFY_TOP
 
 CHAIN = 32  # the longest draft chain a chained program keeps (`LayerSkipParams.max_draft`'s bound)
@@ -51,25 +53,21 @@ class Readout:
 
 
 class HostRows:
-    """Pinned host rows a chained step's values are copied to right behind its replay, an event recorded behind the
-    copy (`passes.PlainSteps`, `lookup.LookupSteps`): reading step t waits for that event, not for the steps launched
-    since, which the device runs meanwhile. Reused in turn: at most two steps are in flight."""
+    """Host rows a chained step's values are copied to right behind its replay, an event recorded behind the copy
+    (`passes.PlainSteps`, `lookup.LookupSteps`): reading step t waits for that event, not for the steps launched
+    since, which the device runs meanwhile. Pinned on CUDA (`device.Host.host_buffer`); reused in turn: at most two
+    steps are in flight."""
 
     SLOTS = 4
 
-    def __init__(self, floats: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.rows = torch.zeros(self.SLOTS, floats, pin_memory=self.cuda)
+    def __init__(self, floats: int, device: Host) -> None:
+        self.device = device
+        self.rows = device.host_buffer(np.zeros((self.SLOTS, floats), dtype=np.float32))
         self.slot = 0
 
-    def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
         """`values` (float32, at most a row's floats) copied into the next row, as their shape; and the event to wait
-        for before reading it (None off CUDA, where the copy has run)."""
+        for before reading it (None where the copy has landed)."""
         host = self.rows[self.slot, : values.numel()].view(values.shape)
         self.slot = (self.slot + 1) % self.SLOTS
-        host.copy_(values, non_blocking=True)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return host, event
+        return host, self.device.to_host(host, values)

@@ -24,6 +24,7 @@ import torch
 from specgui.draft import SkipChain
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.cursor import Block, Synced
+from specgui.fastpath.device import Event
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import chained_program, forward_program
@@ -96,14 +97,14 @@ class SkipSteps:
 
     def __init__(self, cache: StaticKVCache) -> None:
         self.cache = cache
-        self.host = HostRows(1 + 2 * cache.tokens.shape[1] * width(VERIFY_TOP), cache.runner.device)
+        self.host = HostRows(1 + 2 * cache.tokens.shape[1] * width(VERIFY_TOP), cache.programs.device)
         self.synced = Synced(cache)
         self.nowhere = np.zeros(1, dtype=np.int64)  # a replay's pass's positions (its inputs are built on the device)
         self.plan: SkipPlan | None = None  # the plan of the programs at hand (a run's plan changes rarely)
         self.made: dict[int, tuple[Program, Program, Program]] = {}  # by bucket: the start, chain and verify programs
 
     def launch(self, chain: SkipChain, tokens: list[int] | None
-               ) -> tuple[Top, torch.cuda.Event | None, torch.Tensor, torch.Tensor]:
+               ) -> tuple[Top, Event | None, torch.Tensor, torch.Tensor]:
         """A step drafting `chain` from the device's cursor, or, given the run's `tokens` (the pending one last), from
         those. Returns its verdict as a host `Top` [rows, 3 k + 1], the event to wait for before reading it (None off
         CUDA), the host view of how many draft tokens the device accepted [1] (read with the verdict: `cursor.check`)

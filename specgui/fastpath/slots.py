@@ -25,8 +25,9 @@ import torch
 from specgui.draft import SlotChain
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.cursor import Block, Synced, replay
+from specgui.fastpath.device import Event
 from specgui.fastpath.inputs import bucket
-from specgui.fastpath.lookup import match
+from specgui.fastpath.lookup import matcher
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.programs import forward_program
 from specgui.fastpath.readout import CHAIN, HostRows, width
@@ -67,7 +68,7 @@ def slot_program(cache: StaticKVCache, chain: SlotChain) -> Program:
 
     def make() -> Program:
         block, device = Block(cache, rows), cache.runner.device
-        history, carried, columns = cache.history, cache.carried, cache.history.shape[0]
+        history, carried, columns, find = cache.history, cache.carried, cache.history.shape[0], matcher(cache)
         anchor = torch.zeros(1, dtype=torch.long, device=device)  # the row the slots continue: the chain's last
         hook = chain.splice.anchored(anchor)
         forward = forward_program(cache, block.inputs, top=VERIFY_TOP, hook=hook)
@@ -86,7 +87,7 @@ def slot_program(cache: StaticKVCache, chain: SlotChain) -> Program:
             # the slots start from what followed the text + the standing chain where it occurred before (past the
             # history's length is scratch: the acceptance below writes over it)
             history.index_copy_(0, (length + ahead[:size]).clamp(max=columns - 1), drafted)
-            found, available, _ = match(history, length + stood, chain.ngrams, window)
+            found, available, _ = find(history, length + stood, chain.ngrams, window)
             start = torch.where(ahead[:window] < available, found, history.index_select(0, length + stood - 1))
             ids = torch.cat([pending, drafted, start, padding])
             seen = torch.cat([valid.new_zeros(1), valid, past])  # the columns of the chain's valid tokens
@@ -114,11 +115,11 @@ class SlotSteps:
 
     def __init__(self, cache: StaticKVCache) -> None:
         self.cache = cache
-        self.host = HostRows(2 + CHAIN + cache.readout.buffer.numel(), cache.runner.device)
+        self.host = HostRows(2 + CHAIN + cache.readout.buffer.numel(), cache.programs.device)
         self.synced = Synced(cache)
 
     def launch(self, chain: SlotChain, tokens: list[int] | None
-               ) -> tuple[Top, torch.cuda.Event | None, torch.Tensor, torch.Tensor]:
+               ) -> tuple[Top, Event | None, torch.Tensor, torch.Tensor]:
         """A step drafting `chain` from what the step before left on the device, or, given the run's `tokens` (the
         pending one last), from those (the carried slots are the device's either way). Returns its verdict as a host
         `Top` [rows, 3 k + 1], the event to wait for before reading it (None off CUDA), the host view of how many draft

@@ -15,6 +15,7 @@ text in the step inspector; keys listed in `specgui.events` get their own drawin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -24,7 +25,7 @@ from specgui.methods.base import REGISTRY, DecodeState, Drafter, register
 from specgui.runner import Runner
 from specgui.sampling import Sampling
 
-__all__ = ["METHODS", "DecodeState", "Drafter", "create", "get", "names", "params_for", "register"]
+__all__ = ["METHODS", "DecodeState", "Drafter", "create", "fixed", "get", "names", "params_for", "register"]
 
 METHODS = ("baseline", "pld", "clasp", "admg", "selfdraft", "fractal", "swift", "dv", "lookahead")
 
@@ -43,6 +44,17 @@ def get(name: str) -> type[Drafter]:
     if name not in REGISTRY:
         raise SpecGUIError(f"unknown method {name!r}: choose from {', '.join(names())}")
     return REGISTRY[name]
+
+
+def fixed(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """`overrides` with the paper's fixed draft sizes unless they say otherwise (`policy: fixed`, where the method
+    sizes its drafts by the cost model): for checks whose verdict is about what the verifier makes of drafts (the
+    lossless tests, the smoke), so that there are drafts whatever the machine's prices (the cost model may pause
+    them)."""
+    fields = {f.name for f in dataclasses.fields(get(name).Params)}
+    if "policy" not in fields or (overrides and "policy" in overrides):
+        return overrides
+    return {**(overrides or {}), "policy": "fixed"}
 
 
 def params_for(name: str, model_name: str, device: str, overrides: dict[str, Any] | None = None) -> Any:

