@@ -38,6 +38,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -131,9 +132,9 @@ def resolve(mode: str, device: torch.device) -> bool:
 
 
 @functools.cache
-def configure() -> None:
-    """Inductor's and dynamo's settings for SpecGUI's programs, once a process: caches under SpecGUI's cache
-    directory (a second start compiles nothing), and room for a few specialisations per function."""
+def _cache_directories() -> None:
+    """Inductor's caches under SpecGUI's cache directory (a second start compiles nothing): environment variables,
+    once a process."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # an older torch: its default is what it would name
@@ -144,6 +145,21 @@ def configure() -> None:
     root = Path(chosen) if chosen and chosen != default_cache_dir() else cache_root() / "inductor"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root)
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+
+
+_configured = threading.local()
+
+
+def configure() -> None:
+    """Inductor's and dynamo's settings for SpecGUI's programs: caches under SpecGUI's cache directory, precision casts
+    rounded as eager rounds them, and room for a few specialisations per function. Once a thread: torch keeps a setting
+    made in code for the thread that made it (its config's user overrides are thread-local), and a function compiles
+    in the thread that first calls it (the app's device thread, a test's, a CLI's main thread): a thread that had not
+    made these settings compiled without the precision casts, its bf16 whole layer and units then disagreeing in the
+    last bit."""
+    if getattr(_configured, "done", False):
+        return
+    _cache_directories()
     import torch._dynamo
     import torch._inductor.config as inductor
 
@@ -155,6 +171,7 @@ def configure() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            4 * RECOMPILE_LIMIT)
+    _configured.done = True
 
 
 def shape_of(config: Any, by_hand: bool) -> Shape:
@@ -286,9 +303,10 @@ def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def compiled(name: str) -> Callable[..., Any]:
-    """The compiled form of `FUNCTIONS[name]`, one per process (dynamo keeps its specialisations)."""
+    """The compiled form of `FUNCTIONS[name]`, one per process (dynamo keeps its specialisations), with this thread's
+    settings made (`configure`: the call that follows compiles in this thread)."""
+    configure()
     if name not in _compiled:
-        configure()
         _compiled[name] = torch.compile(FUNCTIONS[name], fullgraph=True, dynamic=None)
     return _compiled[name]
 
