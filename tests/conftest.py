@@ -65,23 +65,27 @@ def suite_sample(suite, embedded_lm):
     return [row.encode(embedded_lm.tokenizer) for row in firsts.values()]
 
 
-# Files handed out first, longest first (seconds on a 2-core AMD EPYC, 2026-11-25): with `--dist loadfile` each
-# file is one unit of work, and xdist by default hands out the files with the most tests first, which put the
-# 350 s test_lossless.py fifth and let the two workers end ~15 s apart. The rest follow in collection order.
-LONG_FILES = ("test_lossless.py",  # 350
-              "test_startup.py",  # 448 on a two-core machine three processes shared (app.py calibrates 9 presets)
-              "test_fastpath.py",  # 145
-              "test_browser.py",  # 110
-              "test_app_e2e.py",  # 48
-              "test_fractal.py",  # 42
-              "test_gpucheck.py",  # 38
-              "test_cli.py",  # 36
-              "test_clasp.py")  # 36
+# Files whose tests start first, longest first (seconds of their tests on a 2-core AMD EPYC, 2026-12-02, two workers):
+# with `--dist worksteal` a worker that runs out of tests takes the other's last ones, so the long tests go first and
+# the short ones even the two workers out at the end. The rest follow in collection order.
+LONG_FILES = ("test_lossless.py",  # 201
+              "test_browser.py",  # 156
+              "test_app_e2e.py",  # 130
+              "test_gpucheck.py",  # 106
+              "test_fastpath.py",  # 61
+              "test_app_handlers.py",  # 54
+              "test_startup.py",  # 53
+              "test_emulation.py",  # 50
+              "test_space_default.py")  # 49
+
+# The fast loop (`pytest -m quick`, README's "Development"): the core, the verifier, the GPU path on the emulated
+# device and every method's losslessness on the tiny models, in a few minutes; not the embedded model's tests
+QUICK_FILES = ("test_decode.py", "test_draft_masks.py", "test_events.py", "test_kvcache.py", "test_runner.py",
+               "test_verify.py", "test_policy.py", "test_pipeline.py", "test_emulation.py", "test_lossless.py")
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False  # keep the order below, not xdist's by number of tests
+    config.addinivalue_line("markers", "quick: the fast loop (the core, the verifier, losslessness on tiny models)")
 
 
 def pytest_collection_modifyitems(items):
@@ -90,6 +94,9 @@ def pytest_collection_modifyitems(items):
         return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
 
     items.sort(key=rank)  # stable: tests keep their order within a file
+    for item in items:
+        if item.path.name in QUICK_FILES and "embedded_lm" not in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_unconfigure(config):

@@ -2,24 +2,32 @@
 both reports, and finds every method token-identical; a failing section records its error and the rest run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from specgui import gpucheck, methods
+from specgui.cachedir import cache_root
 from specgui.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_ONLY = {"tests", "bf16", "syncs_launches"}  # the sections a CPU skips
 
 
-def cli(*args, timeout=900):
+def cli(*args, timeout=900, env=None):
     return subprocess.run([sys.executable, "-m", "specgui", "gpucheck", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path):
-    out = cli("--out", str(tmp_path / "gc"), "--quick", "--device", "cpu")
+    """On a cache folder of its own (the converted weights linked in), so that its compiled figures start from an empty
+    compile cache: the first process compiles, the second finds every graph cached."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(cache_root() / "models", target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = cli("--out", str(tmp_path / "gc"), "--quick", "--device", "cpu", env={**env, "SPECGUI_CACHE": str(cache)})
     assert out.returncode in (0, 1), out.stderr[-2000:]
     report = json.loads((tmp_path / "gc" / "report.json").read_text())
     markdown = (tmp_path / "gc" / "report.md").read_text()
@@ -46,6 +54,41 @@ def test_quick_cpu_form_runs_every_section_and_writes_both_reports(tmp_path):
     assert out.returncode == (1 if failed else 0)
     assert "| section | target | measured | result |" in out.stdout and "| identity |" in out.stdout
     assert gpucheck.summary_table(report) in markdown
+    assert_dispatch_figures(report, out.stdout)
+    assert_compiled_figures(sections["dispatch"]["compiled"], cache)
+
+
+def assert_dispatch_figures(report, printed):
+    """The GPU issue's CPU targets in the dispatch section: every pass one program (Fractal's spliced forward too, its
+    compressed passes inside) and at most one host read per generated token, for every method drafting (the fixed
+    schedule). The quick form's few tokens leave each prompt's own operations (its chunks, its head) a large share of
+    a step's: the eager-operation targets are reported, and hold on the full form
+    (test_dispatch.py::test_every_method_drafts_at_most_two_device_operations_a_step_beyond_plain_decodings)."""
+    assert set(report["dispatch"]) == set(methods.names())
+    for method, figures in report["dispatch"].items():
+        assert set(figures) == {"programs_per_pass_max", "programs_per_pass_mean", "syncs_per_token",
+                                "eager_ops_per_step", "host_ms", "host_critical_ms"}
+        assert figures["host_ms"] > 0 and figures["host_critical_ms"] >= 0, method  # timed apart (`hosttime`)
+        assert figures["eager_ops_per_step"] >= report["dispatch"]["baseline"]["eager_ops_per_step"] > 0, method
+        assert 0 < figures["syncs_per_token"] <= 1.0, method
+        assert figures["programs_per_pass_max"] == 1, method
+    assert set(report["compiled"]) == {"kernels_per_layer", "eager_ops_per_layer", "cache_reused"}
+    assert report["compiled"]["kernels_per_layer"] < report["compiled"]["eager_ops_per_layer"]
+    assert "| dispatch |" in printed and "fractal: one program per pass" in printed
+    assert "eager device operations a step at most plain decoding's + 2" in printed
+    assert "pld: host time a step at most 1.0 ms, the part a GPU waits for at most 0.05 ms" in printed
+
+
+def assert_compiled_figures(figures, cache):
+    """The dispatch section's compiled figures: a compiled layer's kernels (at most 10 on a CPU: norm, q/k/v, rotary
+    and cache write, attention, output, residual and norm, gate/up, activation, down, residual) against the eager
+    program's operations; on an empty compile cache the first fresh process compiles, the second finds every graph
+    in the cache, under the cache folder's own inductor directory."""
+    assert figures["first_process"]["cache_misses"] > 0
+    assert figures["cache_reused"] and figures["second_process"]["cache_misses"] == 0
+    assert 0 < figures["kernels_per_layer"] <= gpucheck.KERNELS_PER_LAYER
+    assert figures["eager_ops_per_layer"] > 2 * figures["kernels_per_layer"]
+    assert (cache / "inductor").is_dir()
 
 
 def test_sections_subset_runs_only_those(tmp_path):

@@ -104,3 +104,16 @@ def test_a_bad_preset_file_is_refused_in_one_line(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(SpecGUIError, match=message):
         controls.presets(controls.examples(), path)
+
+
+def test_a_deployment_names_its_own_presets_file(tmp_path, monkeypatch):
+    """SPECGUI_DEMOS: the presets of that file, in place of configs/demos.yaml (checked alike)."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("- {name: Mine, method: pld, prompt: qa-01, max_new_tokens: 8}")
+    monkeypatch.setenv(controls.DEMOS_ENV, str(path))
+    assert [(p.name, p.method, p.max_new_tokens) for p in controls.presets(controls.examples())] == [("Mine", "pld", 8)]
+    path.write_text("- {name: x, method: nope, prompt: qa-01, max_new_tokens: 8}")
+    with pytest.raises(SpecGUIError, match=r"mine\.yaml, preset 1: unknown method 'nope'"):
+        controls.presets(controls.examples())
+    monkeypatch.delenv(controls.DEMOS_ENV)
+    assert len(controls.presets(controls.examples())) == len(controls.presets(controls.examples(), controls.DEMOS_FILE))

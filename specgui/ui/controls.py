@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,14 @@ def prompt_for(text: str, example: Example | None) -> str | Messages:
 
 
 DEMOS_FILE = CONFIG_DIR / "demos.yaml"
+DEMOS_ENV = "SPECGUI_DEMOS"  # a file of demo presets in place of configs/demos.yaml: a deployment's own choice
+
+
+def demos_file() -> Path:
+    """Where the demo presets are: SPECGUI_DEMOS where set (a deployment's own presets, or a short list for a quick
+    start), else `configs/demos.yaml`."""
+    chosen = os.environ.get(DEMOS_ENV, "").strip()
+    return Path(chosen) if chosen else DEMOS_FILE
 
 
 @dataclass(frozen=True)
@@ -191,8 +200,10 @@ class Preset:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-def presets(examples: list[Example], path: Path = DEMOS_FILE) -> list[Preset]:
-    """The presets in `configs/demos.yaml`, each checked against the methods, the suite and the token cap."""
+def presets(examples: list[Example], path: Path | None = None) -> list[Preset]:
+    """The presets in `path` (default: `demos_file()`), each checked against the methods, the suite and the token
+    cap."""
+    path = path or demos_file()
     by_id = {e.row.id: e for e in examples}
     rows = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     if not isinstance(rows, list) or not rows:
