@@ -107,14 +107,14 @@ class EagerOps(TorchDispatchMode):
 def counting() -> Iterator[Counts]:
     """Count passes, programs, host reads and device operations between programs of everything run inside (see the
     module docstring)."""
-    from specgui import decode, fastpath
+    from specgui import clock, fastpath, launch, step
     from specgui.runner import Runner
 
     counts = Counts()
     mode = _HostReads(counts.reads)
     devices: list[torch.device] = []  # the device of the last runner that started a pass
     eager = EagerOps(counts.eager, lambda: devices[-1] if devices else None, lambda: mode.paused)
-    new_pass, call, read, run = Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read, fastpath.Program.__call__
+    new_pass, call, read, run = Runner.new_pass, fastpath.StaticPass.call, clock.Clock.read, fastpath.Program.__call__
     passes: dict[int, int] = {}  # id of a pass -> its index in `counts.programs`
 
     def counted_pass(self: Runner, *args: Any, **kwargs: Any) -> Any:
@@ -144,20 +144,20 @@ def counting() -> Iterator[Counts]:
     def counted_launch(*args: Any, **kwargs: Any) -> Any:
         counts.waited += counts.in_flight == 0
         counts.in_flight += 1
-        return launch(*args, **kwargs)
+        return launched(*args, **kwargs)
 
     def counted_verify(*args: Any, **kwargs: Any) -> Any:
         counts.in_flight = max(0, counts.in_flight - 1)  # the prompt forward's read has no step in flight
         return verify(*args, **kwargs)
 
-    launch, verify = decode._launch, decode.verify
-    Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = counted_pass, counted_call, counted_read
+    launched, verify = launch.launch, step.verify
+    Runner.new_pass, fastpath.StaticPass.call, clock.Clock.read = counted_pass, counted_call, counted_read
     fastpath.Program.__call__ = paused_run
-    decode._launch, decode.verify = counted_launch, counted_verify
+    launch.launch, step.verify = counted_launch, counted_verify
     try:
         with mode, eager:
             yield counts
     finally:
-        Runner.new_pass, fastpath.StaticPass.call, decode._Clock.read = new_pass, call, read
+        Runner.new_pass, fastpath.StaticPass.call, clock.Clock.read = new_pass, call, read
         fastpath.Program.__call__ = run
-        decode._launch, decode.verify = launch, verify
+        launch.launch, step.verify = launched, verify

@@ -228,6 +228,13 @@ class Draft:
     def __len__(self) -> int:
         return len(self.parents)
 
+    def verify_rows(self) -> int:
+        """The rows its verify forward runs: the pending token, the tree and any extras; a draft the device makes at
+        the launch, its size's rows, found or not."""
+        if self.device_draft is not None:
+            return self.device_draft.rows
+        return 1 + len(self) + (len(self.extras.tokens) if self.extras else 0)
+
     def block_row(self, node: int) -> int:
         """The verify block's row of `node` (-1: the pending token's, row 0)."""
         return 0 if node < 0 else 1 + (node if self.rows is None else self.rows[node])

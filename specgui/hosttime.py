@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from specgui import costs, decode, fastpath
+from specgui import launch as launching
 from specgui import verify as verifier
 from specgui.events import Step
 from specgui.loading import LoadedModel
@@ -142,14 +143,14 @@ def _recording(device: torch.device) -> Iterator[_Recorder]:
             rec.read_at = None
         return launch(*args, ahead=ahead, **kwargs)
 
-    launch = decode._launch
-    fastpath.Program.__call__, Runner.new_pass, verifier.read_together, decode._launch = (timed_call, opened, read,
-                                                                                           launched)
+    launch = launching.launch
+    fastpath.Program.__call__, Runner.new_pass, verifier.read_together, launching.launch = (timed_call, opened, read,
+                                                                                             launched)
     try:
         yield rec
     finally:
-        fastpath.Program.__call__, Runner.new_pass, verifier.read_together, decode._launch = (call, new_pass,
-                                                                                               read_together, launch)
+        fastpath.Program.__call__, Runner.new_pass, verifier.read_together, launching.launch = (call, new_pass,
+                                                                                                 read_together, launch)
 
 
 def measured_run(lm: LoadedModel, prompt_ids: list[int], method: str, **kwargs: Any

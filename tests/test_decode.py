@@ -6,6 +6,7 @@ import pytest
 
 from helpers import tiny_model
 from specgui import decode
+from specgui import step as steps_module
 from specgui.errors import SpecGUIError
 from specgui.events import Prefill, Start, Step, Summary
 from specgui.text import pieces_in_context
@@ -74,13 +75,13 @@ def test_the_pieces_text_is_presentation_not_counted(tiny_lm, monkeypatch):
         return [e for e in events if isinstance(e, Step)], events[-1].wall_s
 
     steps, wall = steps_and_wall()
-    quick_pieces = decode.pieces_in_context
+    quick_pieces = steps_module.pieces_in_context
 
     def pieces(tokenizer, items):  # a slow detokenizer: every draft token's text takes 50 ms to build
         time.sleep(0.05 * len(items))
         return quick_pieces(tokenizer, items)
 
-    monkeypatch.setattr(decode, "pieces_in_context", pieces)
+    monkeypatch.setattr(steps_module, "pieces_in_context", pieces)
     slow_steps, slow_wall = steps_and_wall()
     drafted = sum(s.drafted for s in slow_steps)
     assert [s.draft_tokens for s in slow_steps] == [s.draft_tokens for s in steps] and drafted >= 10

@@ -7,6 +7,7 @@ import torch
 
 from helpers import tiny_model
 from specgui import costs, decode, dispatch, fastpath, gpucheck, methods
+from specgui.clock import Clock
 from specgui.events import Step
 
 
@@ -49,7 +50,7 @@ def test_a_plain_step_on_the_fast_path_is_one_program_and_one_read():
 
 def test_an_unsynced_clock_read_is_counted():
     with dispatch.counting() as counts:
-        clock = decode._Clock(torch.device("cpu"))
+        clock = Clock(torch.device("cpu"))
         clock.mark()
         clock.read()
         clock.read(synced=True)

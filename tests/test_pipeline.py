@@ -12,6 +12,7 @@ import pytest
 
 from helpers import baseline_run, cuda, drafting, flat_profile, on_cuda, tiny_model
 from specgui import costs, decode, fastpath, hosttime, methods, text
+from specgui import launch as launching
 from specgui.events import untimed
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [20, 21, 20, 21, 20, 21, 22]]
@@ -36,13 +37,13 @@ def both(lm, prompt, method, monkeypatch, **kwargs):
     method's first run of a profile reports and its later runs do not."""
     list(decode.generate(lm, prompt, method, **{k: v for k, v in kwargs.items() if k != "should_stop"}))
     launched = [0]
-    launch = decode._launch
+    launch = launching.launch
 
     def counted(*args, **kw):
         launched[0] += 1
         return launch(*args, **kw)
 
-    monkeypatch.setattr(decode, "_launch", counted)
+    monkeypatch.setattr(launching, "launch", counted)
     runs = []
     for pipeline in (True, False):
         launched[0] = 0
