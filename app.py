@@ -4,11 +4,11 @@ The page lives in `specgui/ui/`; this file loads the default model, launches the
 stylesheet (until then a starting page answers at the address: `specgui.ui.placeholder`), and only then calibrates
 the demo presets in the background on the device thread (`specgui.ui.warmup`): the page answers while it
 calibrates, says how far it is, and a Run pressed meanwhile waits for it. Every slow phase of a start prints a line
-and a bar (`specgui.progress`). `--no-calibrate` (or SPECGUI_NO_CALIBRATE=1, for a Space) skips the calibration for
+and a bar (`specgui.core.progress`). `--no-calibrate` (or SPECGUI_NO_CALIBRATE=1, for a Space) skips the calibration for
 quick restarts. Set GRADIO_SERVER_NAME / GRADIO_SERVER_PORT to change where it listens; SPECGUI_DEFAULT_MODEL,
-SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set the deployment policy (see specgui/hosting.py). `/healthz` answers 503
-while the app starts and 200 once it serves the page (a probe's path); SPECGUI_START_HOLD=FILE holds the start, the
-starting page up, until FILE exists (how a test catches the starting page on any machine).
+SPECGUI_ALLOWED_MODELS and SPECGUI_PUBLIC set the deployment policy (see specgui/model/hosting.py). `/healthz`
+answers 503 while the app starts and 200 once it serves the page (a probe's path); SPECGUI_START_HOLD=FILE holds the
+start, the starting page up, until FILE exists (how a test catches the starting page on any machine).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import argparse
 import os
 import sys
 
+from specgui.core import progress
+
 # hosting first: on ZeroGPU `spaces` must be imported before anything imports torch or gradio
-from specgui import hosting, progress
+from specgui.model import hosting
 from specgui.ui import placeholder
 
 progress.to_terminal()

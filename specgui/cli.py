@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from specgui import methods
-from specgui.config import decoding_defaults
 from specgui.errors import SpecGUIError
-from specgui.params import parse_setting, specs
+from specgui.methods.params import parse_setting, specs
+from specgui.methods.presets import decoding_defaults
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
     p.add_argument("--small-batch-matmul", choices=("on", "off"), default="on",
                    help="CPU: compute 1-64 row products in the form measured fastest per shape (torch's, "
-                   "transposed, or the skinny kernel; specgui/kernels.py); off: torch's kernel only")
+                   "transposed, or the skinny kernel; specgui/cpu/kernels.py); off: torch's kernel only")
 
 
 def _output_args(p: argparse.ArgumentParser, kind: str, with_json: bool = True) -> None:
@@ -58,7 +58,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--pipeline", choices=("on", "off"), default="on",
                    help="on: a step's event goes out while the next step's forward runs; off: the serial loop, each "
-                        "step's event before the next step begins (for comparison; see specgui/decode.py)")
+                        "step's event before the next step begins (for comparison; see specgui/core/decode.py)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter override (bench: METHOD.KEY=VALUE); repeatable")
     _path_args(p)
@@ -70,7 +70,7 @@ def _path_args(p: argparse.ArgumentParser) -> None:
                    help="static shapes and CUDA graphs (auto: on a CUDA GPU; see specgui/fastpath/)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="the fast path's programs as inductor's kernels, compiled once per machine (auto: on a CUDA "
-                        "GPU; on: a CPU too, slow to compile; see specgui/compiled.py)")
+                        "GPU; on: a CPU too, slow to compile; see specgui/fastpath/compiled.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dv parameter override (search settings: iterations, init_points, calibration, ...)")
     add_model_args(search)
 
+    _device_checks(sub)
+
+    suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
+    _output_args(suite, "suite")
+
+    shot = sub.add_parser("stage-picture", help="take README's picture again: a finished race in the stage view")
+    shot.add_argument("--out", default="assets/stage-race.png", metavar="FILE.png")
+    shot.add_argument("--preset", default=None, help="a demo preset's name (default: the first)")
+
+    first = sub.add_parser("first-minute", help="time app.py's cold and warm starts and its first two races in "
+                           "headless chromium (results/<machine>/startup.json)")
+    first.add_argument("--port", type=int, default=7870, help="where the measured app listens")
+    first.add_argument("--cache", default=None, help="a cache folder to start on (default: a fresh one); with it the "
+                       "cold start is left out unless it is empty")
+    _output_args(first, "startup")
+
+    rep = sub.add_parser("report", help="render results/*.json into README.md and docs/ between report markers")
+    rep.add_argument("--check", action="store_true", help="change nothing; exit 1 if a rendered block is stale")
+    return parser
+
+
+def _device_checks(sub: Any) -> None:
+    """The fast path's checks on this device: gpucheck (its figures and targets) and the smoke (every method's first
+    run on a fresh cache)."""
     check = sub.add_parser("gpucheck", help="validate the fast path on this device (GPU or CPU): report.md and .json")
     check.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and logs")
     check.add_argument("--quick", action="store_true", help="the short form (CI on a CPU): few tokens, toy shapes")
@@ -144,24 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--sequence", action="store_true", help="also every method after every other on one runner, "
                        "a compile toggle, a growing cache and plan changes inside a run")
 
-    suite = sub.add_parser("suite-time", help="run the test suite as README's test command does and time it")
-    _output_args(suite, "suite")
-
-    shot = sub.add_parser("stage-picture", help="take README's picture again: a finished race in the stage view")
-    shot.add_argument("--out", default="assets/stage-race.png", metavar="FILE.png")
-    shot.add_argument("--preset", default=None, help="a demo preset's name (default: the first)")
-
-    first = sub.add_parser("first-minute", help="time app.py's cold and warm starts and its first two races in "
-                           "headless chromium (results/<machine>/startup.json)")
-    first.add_argument("--port", type=int, default=7870, help="where the measured app listens")
-    first.add_argument("--cache", default=None, help="a cache folder to start on (default: a fresh one); with it the "
-                       "cold start is left out unless it is empty")
-    _output_args(first, "startup")
-
-    rep = sub.add_parser("report", help="render results/*.json into README.md and docs/ between report markers")
-    rep.add_argument("--check", action="store_true", help="change nothing; exit 1 if a rendered block is stale")
-    return parser
-
 
 def _overrides(items: list[str], scoped: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -179,7 +185,7 @@ def _overrides(items: list[str], scoped: bool) -> dict[str, Any]:
 
 
 def _sampling(args: argparse.Namespace):
-    from specgui.sampling import Sampling
+    from specgui.core.sampling import Sampling
 
     if args.max_new_tokens < 1:
         raise SpecGUIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -187,8 +193,8 @@ def _sampling(args: argparse.Namespace):
 
 
 def load_model(args: argparse.Namespace):
-    from specgui import compiled
-    from specgui.loading import ModelSpec, load
+    from specgui.fastpath import compiled
+    from specgui.model.loading import ModelSpec, load
 
     lm = load(ModelSpec(name=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
                         quantization=args.quantization, trust_remote_code=args.trust_remote_code,
@@ -198,9 +204,9 @@ def load_model(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from specgui import decode
-    from specgui.events import Summary, save_trace
-    from specgui.text import encode_prompt
+    from specgui.core import decode
+    from specgui.core.events import Summary, save_trace
+    from specgui.core.text import encode_prompt
 
     methods.get(args.method)
     sampling = _sampling(args)
@@ -230,8 +236,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specgui import bench, papers, results
-    from specgui.prompts import PromptRow, load_prompts, select
+    from specgui.tools import bench, papers, results
+    from specgui.tools.prompts import PromptRow, load_prompts, select
 
     sampling = _sampling(args)
     preset = papers.load(args.preset) if args.preset else None
@@ -272,7 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_presets(args: argparse.Namespace) -> None:
     """Each demo preset's method against plain decoding on the preset's prompt, budget and parameters, `--repeats`
     times (paired by round, as `bench` takes them): the table the README shows beside the preset picker."""
-    from specgui import bench, results
+    from specgui.tools import bench, results
     from specgui.ui.controls import examples, presets
 
     if args.repeats < 1:
@@ -312,8 +318,11 @@ def cmd_methods(args: argparse.Namespace) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> None:
     """Measure (or read) the profile, let every method measure its mechanism on a short run, print it all."""
-    from specgui import costs, decode, fastpath, kernels, results, vocab
-    from specgui.text import encode_prompt
+    from specgui import costs, fastpath
+    from specgui.core import decode, vocab
+    from specgui.core.text import encode_prompt
+    from specgui.cpu import kernels
+    from specgui.tools import results
 
     results.writable(args.json)
     lm = load_model(args)
@@ -344,8 +353,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_dv_search(args: argparse.Namespace) -> None:
-    from specgui import costs, decode, fastpath
-    from specgui.methods import dv
+    from specgui import costs, fastpath
+    from specgui.core import decode
+    from specgui.methods.layerskip import dv
 
     overrides = _overrides(args.param, scoped=False)
     device = args.device if args.device != "auto" else "cpu"
@@ -362,7 +372,7 @@ def cmd_dv_search(args: argparse.Namespace) -> None:
 
 def cmd_gpucheck(args: argparse.Namespace) -> int:
     """Run the checks; exit 1 when a target fails or a section errs (the report says which)."""
-    from specgui import gpucheck, results
+    from specgui.tools import gpucheck, results
 
     names = [n.strip() for n in args.sections.split(",") if n.strip()] if args.sections else None
     unknown = [n for n in names or [] if n not in gpucheck.SECTIONS]
@@ -394,7 +404,8 @@ def cmd_suite_time(args: argparse.Namespace) -> int:
     import subprocess
     import time
 
-    from specgui import REPO_DIR, results
+    from specgui import REPO_DIR
+    from specgui.tools import results
 
     command = results.suite_command()
     results.writable(args.json)
@@ -411,13 +422,13 @@ def cmd_suite_time(args: argparse.Namespace) -> int:
 
 
 def cmd_stage_picture(args: argparse.Namespace) -> None:
-    from specgui import picture
+    from specgui.tools import picture
 
     print(f"saved {picture.take(Path(args.out), args.preset)}")
 
 
 def cmd_first_minute(args: argparse.Namespace) -> None:
-    from specgui import firstminute, results
+    from specgui.tools import firstminute, results
 
     results.writable(args.json)
     cache = Path(args.cache) if args.cache else None
@@ -427,7 +438,7 @@ def cmd_first_minute(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from specgui import report
+    from specgui.tools import report
 
     stale = report.render_all(check=args.check)
     for path, name in stale:
@@ -436,7 +447,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    from specgui import smoke
+    from specgui.tools import smoke
 
     return smoke.main(args)
 

@@ -38,7 +38,7 @@ slow one the weights' traffic hides it): the profile of 09:24 UTC priced an 8-ro
 the decode loop's 8-row verifies measured 1.47x (prompt lookup, held-out prompts), and drafts sized by it drafted
 more than paid.
 
-The plain step is timed by running the decode loop, which is handed in (`Decode`, `specgui.decode.run`;
+The plain step is timed by running the decode loop, which is handed in (`Decode`, `specgui.core.decode.run`;
 `decode` hands itself over on import through `use_decoder`), so this module imports nothing above the parts
 it measures.
 """
@@ -63,11 +63,13 @@ from typing import Any
 
 import torch
 
-from specgui import __version__, cpu_layers, fastpath, progress
-from specgui.cachedir import cache_root, exclusive
-from specgui.kernels import build, cpu_name, signature, simd
-from specgui.kvcache import KVCache, wait_for_devices
-from specgui.runner import ATTN, MLP, Runner, SkipPlan
+from specgui import __version__, fastpath
+from specgui.core import progress
+from specgui.core.kvcache import KVCache, wait_for_devices
+from specgui.core.runner import ATTN, MLP, Runner, SkipPlan
+from specgui.cpu import layers as cpu_layers
+from specgui.cpu.kernels import build, cpu_name, signature, simd
+from specgui.model.cachedir import cache_root, exclusive
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)  # new tokens per measured forward: finest where CPUs turn
 CONTEXTS = (128, 1024)  # the short and the long context, in cached tokens
@@ -86,7 +88,7 @@ FORWARD_MEMO = 4096  # prices `CostProfile.forward_ms` keeps (a run asks for a f
 # per runner, by (fast path, compiled programs)
 _PROFILES: weakref.WeakKeyDictionary[Runner, dict[tuple[bool, bool], CostProfile]] = weakref.WeakKeyDictionary()
 _BY_FILE: dict[str, CostProfile] = {}  # every profile this process measured or checked, by file: one per shape
-Decode = Callable[..., Any]  # `specgui.decode.run`: (lm, prompt ids, method, **options) -> a result with `steps`
+Decode = Callable[..., Any]  # `specgui.core.decode.run`: (lm, prompt ids, method, **options) -> a result with `steps`
 _decoder: Decode | None = None
 
 
@@ -165,7 +167,7 @@ class CostProfile:
 
     def skip_forward_ms(self, plan: SkipPlan, context: int, head: float | None = None) -> float:
         """A one-token forward with `plan`'s sub-layers skipped (a layer-skip draft token); its norm and head at
-        `head` ms where the draft computes part of the head only (a draft vocabulary: `specgui.vocab.head_ms`)."""
+        `head` ms where the draft computes part of the head only (a draft vocabulary: `specgui.core.vocab.head_ms`)."""
         saved = sum(self.attn[layer] for layer in plan.attn) + sum(self.mlp[layer] for layer in plan.mlp)
         full = self.forward_ms(1, context)
         head = self.head if head is None else head
@@ -472,7 +474,7 @@ def interpolate(xs: list[int], ys: list[float], x: float) -> float:
 
 
 def use_decoder(run: Decode) -> None:
-    """Hand over the decode loop that plain steps are timed with (`specgui.decode` does so on import), for
+    """Hand over the decode loop that plain steps are timed with (`specgui.core.decode` does so on import), for
     callers that do not pass one to `profile_for`."""
     global _decoder
     _decoder = run
@@ -501,7 +503,7 @@ class Drift:
 def profile_for(lm: Any, fast_path: bool, *, refresh: bool = False, run: Decode | None = None) -> CostProfile:
     """The cost profile of a loaded model on the path it decodes with: from memory, from disk (checked against
     a couple of plain steps now, and measured again if it no longer holds), or measured. `run` times the plain
-    steps (default: the decode loop `specgui.decode` handed over)."""
+    steps (default: the decode loop `specgui.core.decode` handed over)."""
     profile, drift = (None, None) if refresh else lookup(lm, fast_path, run=run)
     if profile is None or (drift is not None and drift.stale):
         profile = remeasure(lm, fast_path, run=run)
@@ -622,7 +624,7 @@ def _plain_step_ms(lm: Any, prompt: list[int], profile: CostProfile, *, run: Dec
     """
     run = run or _decoder
     if run is None:
-        raise RuntimeError("timing a plain step needs the decode loop: pass `run` or import specgui.decode")
+        raise RuntimeError("timing a plain step needs the decode loop: pass `run` or import specgui.core.decode")
     path = "on" if profile.key["fast_path"] else "off"
     run(lm, prompt[:16], "baseline", max_new_tokens=4, fast_path=path, profile=profile)  # warm-up
     medians, ratios = [], []

@@ -31,8 +31,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import tiny_model  # noqa: E402
-from specgui import kernels, loading  # noqa: E402
+from specgui.cpu import kernels  # noqa: E402
 from specgui.errors import SpecGUIError  # noqa: E402
+from specgui.model import loading  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -51,7 +52,7 @@ def embedded_lm():
 
 @pytest.fixture(scope="session")
 def suite():
-    from specgui.prompts import load_prompts
+    from specgui.tools.prompts import load_prompts
 
     return load_prompts()
 

@@ -15,11 +15,13 @@ import pytest
 import torch
 from scipy import stats
 
-from specgui import compiled, costs, decode, fastpath, methods
-from specgui.loading import LoadedModel
-from specgui.runner import Runner
-from specgui.sampling import Sampling
-from specgui.tiny import CharTokenizer, tiny_model  # noqa: F401  (the tests' models)
+from specgui import costs, fastpath, methods
+from specgui.core import decode
+from specgui.core.runner import Runner
+from specgui.core.sampling import Sampling
+from specgui.fastpath import compiled
+from specgui.model.loading import LoadedModel
+from specgui.model.tiny import CharTokenizer, tiny_model  # noqa: F401  (the tests' models)
 
 # compiled programs on a CPU: inductor's C++ backend builds its kernels with the machine's compiler
 needs_inductor = pytest.mark.skipif(compiled.available("cpu") is not None,
@@ -96,7 +98,7 @@ def assert_greedy_identical(lm: LoadedModel, method: str, prompts: list[list[int
 
 def exact_pair_distribution(lm: LoadedModel, prompt: list[int], sampling: Sampling) -> torch.Tensor:
     """P(t2, t3) [V, V] of the 2nd and 3rd sampled tokens under the target alone, by enumeration."""
-    from specgui.sampling import probabilities
+    from specgui.core.sampling import probabilities
 
     vocab = lm.model.config.vocab_size
     with torch.no_grad():

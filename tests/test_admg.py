@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import costs, decode, dispatch, fastpath
-from specgui.kvcache import KVCache
-from specgui.methods.admg import AcsMeter, admg_plan
-from specgui.methods.skipdp import HiddenRecorder
+from specgui import costs, fastpath
+from specgui.core import decode
+from specgui.core.kvcache import KVCache
+from specgui.methods.layerskip.admg import AcsMeter, admg_plan
+from specgui.methods.layerskip.skipdp import HiddenRecorder
+from specgui.tools import dispatch
 
 
 def test_rules_threshold_every_mth_layer_and_keep_the_last():

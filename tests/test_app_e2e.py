@@ -20,9 +20,10 @@ from ui_helpers import served as serve
 from ui_helpers import shown
 
 from helpers import SHORT_PROMPTS
-from specgui import decode, methods
-from specgui.events import Prefill, dumps_trace, from_json, load_trace, to_json
-from specgui.text import encode_prompt
+from specgui import methods
+from specgui.core import decode
+from specgui.core.events import Prefill, dumps_trace, from_json, load_trace, to_json
+from specgui.core.text import encode_prompt
 from specgui.ui import runs
 from specgui.ui.page import App
 
@@ -317,8 +318,8 @@ def test_a_cancelled_api_run_frees_the_queue_for_the_next(served):
 @pytest.mark.parametrize("preset", ["clasp-paper", "selfdraft-paper", "asd-paper"])
 def test_compare_tab_runs_a_paper_preset_as_the_paper_lays_it_out(served, preset, monkeypatch):
     """On short prompts, one per category: the layout is checked here, the suite's prompts in `bench`."""
-    from specgui import papers
-    from specgui.prompts import load_prompts
+    from specgui.tools import papers
+    from specgui.tools.prompts import load_prompts
     from specgui.ui import compare, page
 
     monkeypatch.setattr(page, "load_prompts", lambda: load_prompts(SHORT_PROMPTS))

@@ -18,7 +18,7 @@ from transformers import GPT2Config
 from ui_helpers import holding, prefill, run, shown, slowed, start, step
 
 from helpers import needs_inductor
-from specgui.events import MAX_TRACE_BYTES, Summary, dumps_trace, load_trace, save_trace
+from specgui.core.events import MAX_TRACE_BYTES, Summary, dumps_trace, load_trace, save_trace
 from specgui.ui import page as page_module
 from specgui.ui.page import KEEP_TRACES, App, trace_name
 from specgui.ui.runs import ModelStore
@@ -489,7 +489,7 @@ def GPU(duration=60):
 
 ZERO_GPU_RUN = '''
 import json, sys
-import app  # the entry point: must import `spaces` (through specgui.hosting) before torch and gradio
+import app  # the entry point: must import `spaces` (through specgui.model.hosting) before torch and gradio
 import spaces
 from helpers import tiny_model
 from specgui.ui.page import App

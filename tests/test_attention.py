@@ -1,4 +1,4 @@
-"""Grouped-query attention over a mask (`specgui.attention`): transformers' numbers within rounding, without the
+"""Grouped-query attention over a mask (`specgui.cpu.attention`): transformers' numbers within rounding, without the
 copied keys and values, and what transformers' own generate runs too."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from helpers import rounding_bound, tiny_model
-from specgui import attention
+from specgui.cpu import attention
 
 
 class Grouped(nn.Module):

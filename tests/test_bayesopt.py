@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specgui.methods.bayesopt import BayesOpt, GaussianProcess, candidate_pool, neighbours
+from specgui.methods.layerskip.bayesopt import BayesOpt, GaussianProcess, candidate_pool, neighbours
 
 
 def test_gp_interpolates_its_points_and_is_unsure_far_from_them():

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from specgui import bench
-from specgui.bench import Run
-from specgui.equality import first_divergence, logit_noise
 from specgui.errors import SpecGUIError
-from specgui.prompts import PromptRow
+from specgui.tools import bench
+from specgui.tools.bench import Run
+from specgui.tools.equality import first_divergence, logit_noise
+from specgui.tools.prompts import PromptRow
 
 ROWS = [PromptRow("r1", "copy", prompt="abcdeabcd"), PromptRow("r2", "copy", prompt="uvwxuvwx"),
         PromptRow("r3", "other", prompt="hijklmnop")]

@@ -20,7 +20,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from ui_helpers import prefill, run, served, start, step
 
 from specgui import methods
-from specgui.events import save_trace
+from specgui.core.events import save_trace
 
 CHROMIUM = "/usr/bin/chromium"
 TOKENS = 32

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import decode, dispatch, fastpath
-from specgui.kvcache import FrozenView, KVCache
-from specgui.methods.skipdp import HiddenRecorder, make_units, plan_for, search, unit_end
-from specgui.runner import Pass
+from specgui import fastpath
+from specgui.core import decode
+from specgui.core.kvcache import FrozenView, KVCache
+from specgui.core.runner import Pass
+from specgui.methods.layerskip.skipdp import HiddenRecorder, make_units, plan_for, search, unit_end
+from specgui.tools import dispatch
 
 TEXT = ("The museum offers free guided tours every Saturday morning. Visitors can explore the new gallery of "
         "modern sculpture, and children under twelve enter for free. The cafe on the top floor")

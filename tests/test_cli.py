@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from helpers import SHORT_PROMPTS
-from specgui import loading
 from specgui.cli import main
-from specgui.events import load_trace
+from specgui.core.events import load_trace
+from specgui.model import loading
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_bench_writes_json(tmp_path, in_process):
 def test_bench_runs_a_paper_preset_and_prints_its_table(tmp_path, in_process, preset):
     """Short prompts: what is checked is the preset's layout, not the suite's prompts (the bench CLI runs
     those in `test_bench_writes_json`)."""
-    from specgui import papers
+    from specgui.tools import papers
 
     paper = papers.load(preset)
     report = tmp_path / "r.json"

@@ -1,5 +1,5 @@
-"""Compiled programs (`specgui.compiled`): the layer functions against transformers, the compiled fast path against
-the eager one for every method, a compile cache that a second process reuses, and the kernels a compiled layer runs.
+"""Compiled programs (`specgui.fastpath.compiled`): the layer functions against transformers, the compiled fast path
+against the eager one for every method, bf16's whole layer and units bit for bit.
 
 Compiling on a CPU takes inductor's C++ backend seconds a graph; the tiny model's graphs are few (one per function
 and row class) and land in the compile cache, so the module stays short after its first run on a machine."""
@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from helpers import needs_inductor, tiny_model
-from specgui import compiled, decode, fastpath, gpucheck, methods
+from specgui import fastpath, methods
+from specgui.core import decode
 from specgui.errors import SpecGUIError
+from specgui.fastpath import compiled
+from specgui.tools import gpucheck
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from specgui import costs, decode
+from specgui import costs
+from specgui.core import decode
+from specgui.core.runner import SkipPlan
 from specgui.methods.policy import DraftPolicy
-from specgui.runner import SkipPlan
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = {"model": "m", "device": "cpu", "dtype": "float32", "fast_path": False}
@@ -210,7 +211,7 @@ def test_a_process_waiting_on_another_ones_measurement_takes_what_it_saved(cache
     while it waited is taken, not measured again (here the other process is a thread holding the lock)."""
     import threading
 
-    from specgui.cachedir import exclusive
+    from specgui.model.cachedir import exclusive
 
     lm = tiny_model(seed=4)
     mine = costs.profile_for(lm, fast_path=False)  # a real profile, saved

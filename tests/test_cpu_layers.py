@@ -1,13 +1,15 @@
-"""The target's decoder layers as C calls on a CPU (`specgui.cpu_layers`): what transformers' modules compute, rows
+"""The target's decoder layers as C calls on a CPU (`specgui.cpu.layers`): what transformers' modules compute, rows
 independent of each other bit for bit (so speculative greedy decoding reproduces plain decoding exactly), and the
 same code under transformers' own forward and `generate`."""
 
 import pytest
 import torch
 
-from specgui import cpu_layers, decode, kernels
-from specgui.kvcache import FrozenView, KVCache
-from specgui.runner import ATTN, MLP
+from specgui.core import decode
+from specgui.core.kvcache import FrozenView, KVCache
+from specgui.core.runner import ATTN, MLP
+from specgui.cpu import kernels
+from specgui.cpu import layers as cpu_layers
 from tests.helpers import tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.skinny_library() is None, reason="no C compiler or no AVX2 here")
@@ -125,7 +127,7 @@ def test_layers_as_one_call_equal_their_sub_layers(monkeypatch, layer_calls, win
         calls.clear()
         split = run("units", caches["units"])
         if one_call:  # the sub-layers may not run
-            monkeypatch.setattr(cpu_layers.Plan, "attention", lambda *a: pytest.fail("a sub-layer ran"))
+            monkeypatch.setattr(cpu_layers.CPlan, "attention", lambda *a: pytest.fail("a sub-layer ran"))
         got = {how: run(how, caches[how]) for how in ("each", "all")}
     assert calls == ([1] * runner.num_layers + [runner.num_layers] if one_call else [])
     for how, whole in got.items():
@@ -193,13 +195,13 @@ def test_a_long_prompt_runs_the_modules_and_as_long_a_verify_the_layers(monkeypa
     plain steps bit for bit) and a shorter prompt run the C layers."""
     lm = tiny_model(seed=8)
     verdicts: list[tuple[int, bool]] = []
-    runs = cpu_layers.Plan.runs
+    runs = cpu_layers.CPlan.runs
 
     def spy(self, h, mask):
         verdicts.append((h.shape[1], runs(self, h, mask)))
         return verdicts[-1][1]
 
-    monkeypatch.setattr(cpu_layers.Plan, "runs", spy)
+    monkeypatch.setattr(cpu_layers.CPlan, "runs", spy)
     long, short = cpu_layers.PROMPT_ROWS + 6, cpu_layers.PROMPT_ROWS
     ids = torch.arange(2 * long) % 40
     with torch.inference_mode():

@@ -5,11 +5,11 @@ import time
 import pytest
 
 from helpers import tiny_model
-from specgui import decode
-from specgui import step as steps_module
+from specgui.core import decode
+from specgui.core import step as steps_module
+from specgui.core.events import Prefill, Start, Step, Summary
+from specgui.core.text import pieces_in_context
 from specgui.errors import SpecGUIError
-from specgui.events import Prefill, Start, Step, Summary
-from specgui.text import pieces_in_context
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]
 

@@ -1,14 +1,16 @@
-"""What a decode would cost the host on a GPU, counted on a CPU (`specgui.dispatch`): programs per forward pass and
-host reads per generated token, for every method on the fast path, and the `gpucheck --sections dispatch` report."""
+"""What a decode would cost the host on a GPU, counted on a CPU (`specgui.tools.dispatch`): programs per forward pass
+and host reads per generated token, for every method on the fast path, and the `gpucheck --sections dispatch` report."""
 
 
 import pytest
 import torch
 
 from helpers import tiny_model
-from specgui import costs, decode, dispatch, fastpath, gpucheck, methods
-from specgui.clock import Clock
-from specgui.events import Step
+from specgui import costs, fastpath, methods
+from specgui.core import decode
+from specgui.core.clock import Clock
+from specgui.core.events import Step
+from specgui.tools import dispatch, gpucheck
 
 
 def test_the_counter_sees_every_kind_of_host_read_and_nothing_outside_it():

@@ -7,7 +7,7 @@ Each document is parsed with markdown-it (CommonMark, what GitHub and a Space's 
   reads ```` ``` text ```` as content, so the fence runs on and swallows what follows);
 - every relative link or image target exists and stays inside the repository;
 - every repository path named in backticks exists (the rule: `_names_a_repository_path`);
-- report markers come in pairs, each on its own line, named after a result kind (`specgui.results.KINDS`);
+- report markers come in pairs, each on its own line, named after a result kind (`specgui.tools.results.KINDS`);
 - no line outside a generated block (`<!-- report:NAME -->` ... `<!-- /report:NAME -->`) carries a time of day, a
   date, a commit hash or an issue number: history lives in git, figures in results/. Fenced code is held to this too.
 
@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from specgui import REPO_DIR, report
-from specgui.results import KINDS
+from specgui import REPO_DIR
+from specgui.tools import report
+from specgui.tools.results import KINDS
 
 README = REPO_DIR / "README.md"
 INSTALL = "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/pip install --no-deps " \

@@ -10,10 +10,10 @@ import pytest
 
 from helpers import tiny_model
 from specgui import methods
-from specgui.draft import Draft, Extras
-from specgui.methods.lookahead import window_visibility
-from specgui.methods.selfdraft import branch_block
-from specgui.sampling import GREEDY
+from specgui.core.draft import Draft, Extras
+from specgui.core.sampling import GREEDY
+from specgui.methods.ngram.lookahead import window_visibility
+from specgui.methods.ngram.selfdraft import branch_block
 
 
 def branch_mask(lengths: list[int]) -> tuple[np.ndarray, list[int]]:

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, baseline_run, tiny_model
-from specgui import cli, decode, methods
+from specgui import cli, methods
+from specgui.core import decode
+from specgui.core.runner import SkipPlan
 from specgui.costs import CostProfile
 from specgui.costs import profile_for as costs_for
 from specgui.errors import SpecGUIError
-from specgui.methods import dv
-from specgui.runner import SkipPlan
+from specgui.methods.layerskip import dv
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
@@ -64,8 +65,8 @@ def test_calibration_is_the_full_models_greedy_text(deep_lm):
     with torch.no_grad():
         sample = dv.calibrate(deep_lm.runner, deep_lm.tokenizer, ["code-001"], 8)[0]
     assert sample.cache.get_seq_length(0) == sample.prefix  # only the prompt's keys stay
-    from specgui.prompts import load_prompts
-    from specgui.text import encode_prompt
+    from specgui.core.text import encode_prompt
+    from specgui.tools.prompts import load_prompts
 
     row = next(r for r in load_prompts(dv.CALIBRATION_PROMPTS) if r.id == "code-001")
     prompt = encode_prompt(deep_lm.tokenizer, row.preview, chat=False)

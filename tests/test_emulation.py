@@ -1,6 +1,6 @@
 """The GPU path run on a CPU as a GPU runs it (`fastpath.emulation`): the emulation's own mechanisms, the defects it
 found (each test here fails on the code before its fix), and the smoke's matrix of every method on the emulated
-device (`specgui.smoke`)."""
+device (`specgui.tools.smoke`)."""
 
 import itertools
 import time
@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from helpers import flat_profile, tiny_model
-from specgui import decode, fastpath, smoke
+from specgui import fastpath
+from specgui.core import decode
+from specgui.core.runner import SkipPlan
 from specgui.fastpath import cursor, emulation
 from specgui.fastpath.device import Staging
 from specgui.fastpath.emulation import Emulated, EmulationError
 from specgui.fastpath.program import Program, Programs
 from specgui.fastpath.readout import HostRows
-from specgui.runner import SkipPlan
+from specgui.tools import smoke
 
 CPU = torch.device("cpu")
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from specgui import decode
+from specgui.core import decode
+from specgui.core.events import MAX_TRACE_BYTES, dumps_trace, load_trace, loads_trace, save_trace
 from specgui.errors import SpecGUIError
-from specgui.events import MAX_TRACE_BYTES, dumps_trace, load_trace, loads_trace, save_trace
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]
 

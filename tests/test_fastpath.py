@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, baseline_run, cuda, flat_profile, on_cuda, tiny_model
-from specgui import decode, fastpath, methods
+from specgui import fastpath, methods
+from specgui.core import decode
+from specgui.core.kvcache import KVCache
+from specgui.core.runner import ATTN, SkipPlan
 from specgui.errors import SpecGUIError
 from specgui.fastpath.inputs import BucketInputs
-from specgui.kvcache import KVCache
-from specgui.methods.skipdp import HiddenRecorder
-from specgui.runner import ATTN, SkipPlan
+from specgui.methods.layerskip.skipdp import HiddenRecorder
 
 SPECULATIVE = [name for name in methods.names() if name != "baseline"]
 TINY_PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]

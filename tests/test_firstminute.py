@@ -6,8 +6,9 @@ import statistics
 import pytest
 
 from helpers import drafting, flat_profile, tiny_model
-from specgui import decode, firstminute
-from specgui.events import Step
+from specgui.core import decode
+from specgui.core.events import Step
+from specgui.tools import firstminute
 
 
 def test_a_races_figures_name_the_plain_price_beside_the_baseline_as_measured():

@@ -15,25 +15,35 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import CharTokenizer, assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import cpu_layers, decode, fastpath, kernels, methods
-from specgui.draft import SlotChain
+from specgui import fastpath, methods
+from specgui.core import decode
+from specgui.core.draft import SlotChain
+from specgui.core.events import Prefill
+from specgui.core.kvcache import FrozenView, KVCache
+from specgui.core.runner import ATTN, MLP, Pass, Runner
+from specgui.core.sampling import GREEDY
+from specgui.cpu import kernels
+from specgui.cpu import layers as cpu_layers
 from specgui.errors import SpecGUIError
-from specgui.events import Prefill
 from specgui.fastpath.slots import standing
-from specgui.kvcache import FrozenView, KVCache
-from specgui.loading import LoadedModel, ModelSpec
 from specgui.methods.base import DecodeState
-from specgui.methods.compress import (
+from specgui.methods.fractal.compress import (
     CompressedLayer,
     Fp8Linear,
     Int8WeightOnlyLinear,
     TorchInt8Linear,
     compressed_copy,
 )
-from specgui.methods.fractal import Fractal, Splice, consistent_chain, fractal_positions, origins, per_token_acceptance
-from specgui.methods.pld import NgramIndex
-from specgui.runner import ATTN, MLP, Pass, Runner
-from specgui.sampling import GREEDY
+from specgui.methods.fractal.fractal import (
+    Fractal,
+    Splice,
+    consistent_chain,
+    fractal_positions,
+    origins,
+    per_token_acceptance,
+)
+from specgui.methods.ngram.pld import NgramIndex
+from specgui.model.loading import LoadedModel, ModelSpec
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]
 
@@ -337,7 +347,7 @@ def test_compressed_layer_computes_what_the_original_does(arch, attn):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("window", ["growing", "frozen", "frozen with live keys past it", "scratch", "tree"])
 def test_fused_compressed_pass_computes_what_the_modules_do(skinny_build, arch, window):
-    """The int8 copy's layers as C calls (`specgui.cpu_layers`, through each copy's plan) against the same copy's torch
+    """The int8 copy's layers as C calls (`specgui.cpu.layers`, through each copy's plan) against the same copy's torch
     modules: the pass's output and what it leaves in the cache, over every kind of cache window a Fractal pass uses
     (on the AVX-512 and the AVX2 build)."""
     lm = tiny_model(arch=arch, seed=3)
@@ -442,7 +452,7 @@ def test_gpu_linears_approximate_the_original(cls, tolerance):
 
 
 def test_auto_backend_builds_the_cheapest_candidate_that_runs(tiny_lm, monkeypatch):
-    from specgui.methods import compress
+    from specgui.methods.fractal import compress
 
     def maker(backend):
         if backend == "fp8":

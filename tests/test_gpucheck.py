@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specgui import gpucheck, methods
-from specgui.cachedir import cache_root
+from specgui import methods
 from specgui.cli import main
+from specgui.model.cachedir import cache_root
+from specgui.tools import gpucheck
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_ONLY = {"tests", "bf16", "syncs_launches"}  # the sections a CPU skips

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import tiny_model
-from specgui import hosting
+from specgui.core.kvcache import KVCache
+from specgui.core.runner import Runner
 from specgui.errors import SpecGUIError
-from specgui.kvcache import KVCache
-from specgui.runner import Runner
+from specgui.model import hosting
 
 POLICY = ("SPACE_ID", "GRADIO_SERVER_NAME", "SPECGUI_PUBLIC", "SPECGUI_ALLOWED_MODELS")  # who counts as a stranger
 
@@ -20,7 +20,7 @@ POLICY = ("SPACE_ID", "GRADIO_SERVER_NAME", "SPECGUI_PUBLIC", "SPECGUI_ALLOWED_M
 def test_default_model_follows_the_environment(monkeypatch):
     monkeypatch.delenv("SPECGUI_DEFAULT_MODEL", raising=False)
     assert hosting.default_model() == "embedded"  # the package is installed for the tests
-    monkeypatch.setattr("specgui.loading.embedded_gguf", lambda: None)
+    monkeypatch.setattr("specgui.model.loading.embedded_gguf", lambda: None)
     assert hosting.default_model() == hosting.HUB_DEFAULT
     monkeypatch.setenv("SPECGUI_DEFAULT_MODEL", "org/model")
     assert hosting.default_model() == "org/model"
@@ -102,7 +102,7 @@ def test_hosting_imports_spaces_before_torch():
     and hosting must not import torch itself."""
     import subprocess
 
-    code = "import sys, specgui.hosting; print('torch' in sys.modules)"
+    code = "import sys, specgui.model.hosting; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

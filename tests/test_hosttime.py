@@ -1,5 +1,5 @@
-"""A step's host time (`specgui.hosttime`): the step's wall less its programs' time, and the part of it between the
-verdict's read and the next launch. Held with sleeps put where the host works and where a program runs, so the
+"""A step's host time (`specgui.tools.hosttime`): the step's wall less its programs' time, and the part of it between
+the verdict's read and the next launch. Held with sleeps put where the host works and where a program runs, so the
 verdicts rest on the sleeps' lengths, never on the machine's speed."""
 
 import time
@@ -7,13 +7,15 @@ import time
 import pytest
 
 from helpers import drafting
-from specgui import bench, decode, fastpath, hosttime, verify
-from specgui.methods.admg import Admg
-from specgui.methods.fractal import Fractal
-from specgui.methods.lookahead import Lookahead
-from specgui.methods.pld import PromptLookup
+from specgui import fastpath
+from specgui.core import decode, verify
+from specgui.core.sampling import GREEDY
+from specgui.methods.fractal.fractal import Fractal
+from specgui.methods.layerskip.admg import Admg
+from specgui.methods.ngram.lookahead import Lookahead
+from specgui.methods.ngram.pld import PromptLookup
 from specgui.methods.policy import DraftPolicy
-from specgui.sampling import GREEDY
+from specgui.tools import bench, hosttime
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]
 SLEEP_S = 0.05
@@ -165,7 +167,7 @@ def test_a_program_between_the_read_and_the_next_launch_is_not_waited_for(tiny_l
 
 @pytest.mark.parametrize("fast_path, timed", [("on", True), ("off", False)])
 def test_bench_reports_medians_a_step_on_the_fast_path(tiny_lm, fast_path, timed):
-    from specgui.prompts import PromptRow
+    from specgui.tools.prompts import PromptRow
 
     row = PromptRow(id="p", category="c", prompt="")
     runs = [bench.run_method(tiny_lm, row, PROMPT, "pld", 12, GREEDY, None, fast_path)]

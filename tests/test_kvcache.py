@@ -2,7 +2,7 @@
 
 import torch
 
-from specgui.kvcache import MIN_CAPACITY, FrozenView, KVCache
+from specgui.core.kvcache import MIN_CAPACITY, FrozenView, KVCache
 
 
 def _fill(cache: KVCache, layer: int, values: list[float]) -> None:

@@ -4,13 +4,15 @@ import pytest
 import torch
 
 from helpers import baseline_run, drafting, flat_profile, tiny_model
-from specgui import decode, dispatch, fastpath
+from specgui import fastpath
+from specgui.core import decode
+from specgui.core.kvcache import KVCache
+from specgui.core.runner import SkipPlan
+from specgui.core.sampling import GREEDY, Sampling
 from specgui.errors import SpecGUIError
-from specgui.kvcache import KVCache
 from specgui.methods.base import DecodeState
-from specgui.methods.layerskip import ExitThreshold, UnreadChain, draft_chain
-from specgui.runner import SkipPlan
-from specgui.sampling import GREEDY, Sampling
+from specgui.methods.layerskip.drafting import ExitThreshold, UnreadChain, draft_chain
+from specgui.tools import dispatch
 
 
 def _state(lm, prompt, sampling=GREEDY):

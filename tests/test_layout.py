@@ -88,8 +88,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     preload cannot hide what the test looks for: the order of specgui's own imports, which every child starts
     without (the parent asserts no specgui module is loaded before it forks)."""
     names = all_modules()
-    assert {"specgui.methods.layerskip", "specgui.methods.skipdp", "specgui.methods.compress",
-            "specgui.methods.ngram_cache", "specgui.ui.page"} <= set(names)
+    assert {"specgui.methods.layerskip.drafting", "specgui.methods.layerskip.skipdp",
+            "specgui.methods.fractal.compress", "specgui.methods.ngram.ngram_cache", "specgui.ui.page"} <= set(names)
     third_party = third_party_imports()
     assert {"torch", "transformers", "gradio"} <= {_top(module) for module, _ in third_party}
     done = subprocess.run([sys.executable, "-c", IMPORT_EACH, json.dumps(names), json.dumps(third_party)],
@@ -162,7 +162,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_circle():
     graph = import_graph()
     # the walk sees the edges that matter: the loop imports the cost model, the registry its methods
-    assert "specgui.costs" in graph["specgui.decode"] and "specgui.methods.pld" in graph["specgui.methods"]
+    assert "specgui.costs" in graph["specgui.core.decode"] and "specgui.methods.ngram.pld" in graph["specgui.methods"]
     assert "specgui.costs" in graph["specgui.methods.base"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 

@@ -5,9 +5,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from helpers import tiny_model
-from specgui import arena, loading
+from specgui.cpu import arena
 from specgui.errors import SpecGUIError
-from specgui.loading import ModelSpec
+from specgui.model import loading
+from specgui.model.loading import ModelSpec
 
 
 def test_embedded_model_loads_from_the_conversion_cache(embedded_lm):
@@ -19,7 +20,7 @@ def test_embedded_model_loads_from_the_conversion_cache(embedded_lm):
 
 
 def test_local_directory_loads_and_generates(tmp_path, embedded_lm):
-    from specgui import decode
+    from specgui.core import decode
 
     target = tmp_path / "tiny"
     tiny_model().model.save_pretrained(target)

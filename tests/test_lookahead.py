@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import decode
-from specgui.methods.lookahead import window_visibility
+from specgui.core import decode
+from specgui.methods.ngram.lookahead import window_visibility
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 SMALL = {"window": 3, "ngram": 3, "guesses": 3, "pool_from_prompt": False, "policy": "fixed"}

@@ -47,8 +47,8 @@ def test_greedy_identical_on_embedded_model(embedded_lm, suite_sample, method):
 
 
 def test_baseline_is_reproducible_with_a_seed(sampling_lm):
-    from specgui import decode
-    from specgui.sampling import Sampling
+    from specgui.core import decode
+    from specgui.core.sampling import Sampling
 
     a = decode.run(sampling_lm, ALL_TOKENS, "baseline", max_new_tokens=8, sampling=Sampling(1.0, seed=7))
     b = decode.run(sampling_lm, ALL_TOKENS, "baseline", max_new_tokens=8, sampling=Sampling(1.0, seed=7))

@@ -2,9 +2,9 @@
 
 import pytest
 
-from specgui import corpus
 from specgui.errors import SpecGUIError
-from specgui.methods.ngram_cache import CORPUS_DIR, CorpusCache, NgramCache, corpus_for, load_corpus
+from specgui.methods.ngram.ngram_cache import CORPUS_DIR, CorpusCache, NgramCache, corpus_for, load_corpus
+from specgui.tools import corpus
 
 
 def test_insert_is_most_recent_first_and_evicts_the_oldest():

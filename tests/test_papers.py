@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from specgui import bench, papers
-from specgui.prompts import PromptRow
-from specgui.sampling import Sampling
+from specgui.core.sampling import Sampling
+from specgui.tools import bench, papers
+from specgui.tools.prompts import PromptRow
 from specgui.ui import compare
 
 

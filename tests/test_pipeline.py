@@ -11,9 +11,11 @@ import time
 import pytest
 
 from helpers import baseline_run, cuda, drafting, flat_profile, on_cuda, tiny_model
-from specgui import costs, decode, fastpath, hosttime, methods, text
-from specgui import launch as launching
-from specgui.events import untimed
+from specgui import costs, fastpath, methods
+from specgui.core import decode, text
+from specgui.core import launch as launching
+from specgui.core.events import untimed
+from specgui.tools import hosttime
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [20, 21, 20, 21, 20, 21, 22]]
 SLEEP_S = 0.05

@@ -9,7 +9,7 @@ from urllib.error import HTTPError
 
 import pytest
 
-from specgui import progress
+from specgui.core import progress
 from specgui.ui import placeholder
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"  # chromium's, navigating

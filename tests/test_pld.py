@@ -1,4 +1,4 @@
-"""Prompt lookup's index (`specgui.methods.pld.NgramIndex`) on hand-built token lists, the device's match
+"""Prompt lookup's index (`specgui.methods.ngram.pld.NgramIndex`) on hand-built token lists, the device's match
 (`fastpath.lookup.match`) against it, and its steps chained on the device."""
 
 import itertools
@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from helpers import baseline_run, flat_profile, tiny_model
-from specgui import decode, dispatch, fastpath
+from specgui import fastpath
+from specgui.core import decode
 from specgui.errors import SpecGUIError
 from specgui.fastpath.lookup import match
-from specgui.methods.pld import NgramIndex
+from specgui.methods.ngram.pld import NgramIndex
+from specgui.tools import dispatch
 
 
 def test_lookup_copies_after_the_first_occurrence_of_the_longest_matching_suffix():

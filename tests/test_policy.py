@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 
 from helpers import baseline_run, tiny_model
-from specgui import decode, methods
+from specgui import methods
+from specgui.core import decode
 from specgui.costs import CostProfile
-from specgui.methods.policy import EVIDENCE, MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy, Plan
+from specgui.methods.policy import EVIDENCE, MARGIN, PRIOR_ALPHA, RECHECK, DraftPolicy, Sizing
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -37,7 +38,7 @@ def measured_nothing(*profiles: CostProfile) -> bool:
 
 
 def test_a_plan_cut_to_a_smaller_size_keeps_everything_else():
-    plan = Plan(5, "paused", 0.9, 1.3, 2.5, prior=0.95, alpha=0.6, regime=2)
+    plan = Sizing(5, "paused", 0.9, 1.3, 2.5, prior=0.95, alpha=0.6, regime=2)
     assert plan.cut(3) == dataclasses.replace(plan, size=3)
 
 

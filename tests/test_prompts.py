@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from specgui.errors import SpecGUIError
-from specgui.prompts import PromptRow, load_prompts, select
+from specgui.tools.prompts import PromptRow, load_prompts, select
 
 CATEGORIES = {"multi-turn", "translation", "summarization", "qa", "math", "rag", "code"}
 

@@ -1,11 +1,13 @@
-"""`specgui.replay`: prompt lookup's sizing replayed on a greedy output, against the run pld really makes."""
+"""`specgui.tools.replay`: prompt lookup's sizing replayed on a greedy output, against the run pld really makes."""
 
 import pytest
 
 from helpers import tiny_model
-from specgui import costs, decode, methods, replay
+from specgui import costs, methods
+from specgui.core import decode
+from specgui.core.sampling import GREEDY
 from specgui.costs import CostProfile
-from specgui.sampling import GREEDY
+from specgui.tools import replay
 
 
 def test_the_replayed_cost_policy_decides_and_prices_as_the_pld_run_did():

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from specgui import REPO_DIR, report, results
+from specgui import REPO_DIR
 from specgui.cli import main
 from specgui.errors import SpecGUIError
+from specgui.tools import report, results
 
 PROVENANCE = {"command": "python -m specgui bench --save", "commit": "0123456789abcdef", "date": "2026-11-26 19:00 UTC",
               "device": "Test CPU, 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "python": "3.11.7"}
@@ -159,7 +160,7 @@ def test_the_repositorys_rendered_blocks_match_their_results(capsys):
 def test_a_run_of_a_forced_vector_form_has_a_folder_of_its_own_and_renders_only_where_named(tmp_path, monkeypatch):
     """`SPECGUI_SIMD=avx2` on an AVX-512 CPU measures a laptop's kernels: its results go to '<machine>-avx2', carry
     the form, and never stand in for the machine's own figures in an unnamed block."""
-    from specgui import kernels
+    from specgui.cpu import kernels
 
     profile = {"model": "embedded", "sizes": [1, 2], "contexts": [128], "forward": [[20.0, 21.0]], "step": 21.5,
                "loop": 1.5, "head": 3.0}

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from helpers import assert_within_rounding, product_magnitude, rounding_bound, tiny_model
-from specgui import kernels
+from specgui.core.kvcache import FrozenView, KVCache
+from specgui.core.runner import ATTN, MLP, SkipPlan
+from specgui.cpu import kernels
 from specgui.errors import SpecGUIError
-from specgui.kvcache import FrozenView, KVCache
-from specgui.runner import ATTN, MLP, SkipPlan
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

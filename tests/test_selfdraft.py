@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import corpus, decode, grid, methods
+from specgui import methods
+from specgui.core import decode
+from specgui.core.sampling import GREEDY
 from specgui.errors import SpecGUIError
-from specgui.methods.ngram_cache import CorpusCache
-from specgui.prompts import PromptRow
-from specgui.sampling import GREEDY
+from specgui.methods.ngram.ngram_cache import CorpusCache
+from specgui.tools import corpus, grid
+from specgui.tools.prompts import PromptRow
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 BRANCHY = {"branches": 3, "branch_len": 4, "gram": 3, "budget": 6, "max_forward": 0, "use_corpus": False,

@@ -13,9 +13,9 @@ import pytest
 
 from helpers import flat_profile, tiny_model
 from specgui import costs, methods
+from specgui.core.sampling import GREEDY
 from specgui.methods.base import DecodeState
-from specgui.methods.selfdraft import FREE
-from specgui.sampling import GREEDY
+from specgui.methods.ngram.selfdraft import FREE
 
 
 class Prices:

@@ -48,7 +48,7 @@ def test_the_default_model_still_runs(space):
 
 NO_COMPILER_RUN = """
 import json
-from specgui import kernels
+from specgui.cpu import kernels
 from specgui.ui.page import App
 app = App()
 events = list(app.generate_api("Name three colours.", "pld", 12, 0.0))
@@ -65,7 +65,7 @@ def test_without_a_c_compiler_the_app_still_runs(tmp_path):
     import sys
 
     from specgui import REPO_DIR
-    from specgui.cachedir import cache_root
+    from specgui.model.cachedir import cache_root
 
     cache = tmp_path / "cache"
     cache.mkdir()

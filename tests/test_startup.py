@@ -25,7 +25,7 @@ from test_browser import visitor
 from ui_helpers import served
 
 from specgui import REPO_DIR
-from specgui.picture import chromium_path
+from specgui.tools.picture import chromium_path
 from specgui.ui import controls, placeholder, warmup
 
 START_TIMEOUT_S = 600  # bounds, not verdicts: a busy two-core machine took minutes to import and load

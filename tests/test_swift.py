@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import decode, methods
+from specgui import methods
+from specgui.core import decode
+from specgui.core.kvcache import KVCache
+from specgui.core.runner import SkipPlan
 from specgui.errors import SpecGUIError
-from specgui.kvcache import KVCache
-from specgui.methods.skipsearch import SkipSpace, matchness
-from specgui.methods.swift import SwiftSearch
-from specgui.runner import SkipPlan
+from specgui.methods.layerskip.skipsearch import SkipSpace, matchness
+from specgui.methods.layerskip.swift import SwiftSearch
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 FAST = {"context_window": 6, "opt_interval": 1, "bayes_interval": 3, "policy": "fixed", "persist": False,

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
+from specgui.core.sampling import Sampling
 from specgui.errors import SpecGUIError
-from specgui.prompts import PromptRow, load_prompts
-from specgui.sampling import Sampling
+from specgui.tools.prompts import PromptRow, load_prompts
 from specgui.ui import compare
 
 ROWS = [PromptRow("a-1", "a", prompt="abcdeabcdeabc"), PromptRow("b-1", "b", prompt="bcdbcdbcdbcd")]

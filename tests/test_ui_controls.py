@@ -5,7 +5,7 @@ import pytest
 
 from specgui import methods
 from specgui.errors import SpecGUIError
-from specgui.params import specs
+from specgui.methods.params import specs
 from specgui.ui import controls
 
 

@@ -9,11 +9,12 @@ import pytest
 from ui_helpers import prefill, run, slowed, start, step
 
 from helpers import tiny_model
-from specgui import costs, decode
+from specgui import costs
+from specgui.core import decode
+from specgui.core.events import Start, Step, Summary
+from specgui.core.sampling import Sampling
+from specgui.core.text import encode_prompt
 from specgui.errors import SpecGUIError
-from specgui.events import Start, Step, Summary
-from specgui.sampling import Sampling
-from specgui.text import encode_prompt
 from specgui.ui import runs
 from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, StopFlags, Worker
 

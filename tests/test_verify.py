@@ -4,9 +4,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specgui.draft import Draft
-from specgui.sampling import Sampling, probabilities
-from specgui.verify import verify
+from specgui.core.draft import Draft
+from specgui.core.sampling import Sampling, probabilities
+from specgui.core.verify import verify
 
 GREEDY = Sampling()
 V = 6

@@ -1,16 +1,18 @@
-"""The draft vocabulary (`specgui.vocab`): exact logits on its ids, lossless drafts with it, its price."""
+"""The draft vocabulary (`specgui.core.vocab`): exact logits on its ids, lossless drafts with it, its price."""
 
 import pytest
 import torch
 
 from helpers import assert_greedy_identical, assert_sampling_lossless, tiny_model
-from specgui import costs, decode, kernels
-from specgui import vocab as vocab_module
-from specgui.methods import layerskip
-from specgui.methods.compress import Int8WeightOnlyLinear
-from specgui.runner import SkipPlan
-from specgui.sampling import probabilities
-from specgui.vocab import DraftVocab
+from specgui import costs
+from specgui.core import decode
+from specgui.core import vocab as vocab_module
+from specgui.core.runner import SkipPlan
+from specgui.core.sampling import probabilities
+from specgui.core.vocab import DraftVocab
+from specgui.cpu import kernels
+from specgui.methods.fractal.compress import Int8WeightOnlyLinear
+from specgui.methods.layerskip import drafting as layerskip
 
 LAYER_SKIP = ["clasp", "admg", "swift", "dv"]
 TINY_PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 20, 21, 20, 21, 22]]

@@ -1,5 +1,5 @@
-"""The start's calibration in the background (`specgui.ui.warmup`) and the phases said aloud (`specgui.progress`), on
-the tiny model: a held calibration is seen running, with its progress, while a Run waits behind it and says so;
+"""The start's calibration in the background (`specgui.ui.warmup`) and the phases said aloud (`specgui.core.progress`),
+on the tiny model: a held calibration is seen running, with its progress, while a Run waits behind it and says so;
 released, it finishes, and the waiting Run is priced by what it learnt; a failed or skipped one says what prices the
 predictions instead."""
 
@@ -9,9 +9,10 @@ import threading
 import pytest
 
 from helpers import tiny_model
-from specgui import costs, fastpath, progress
-from specgui.events import Start, Summary
-from specgui.sampling import Sampling
+from specgui import costs, fastpath
+from specgui.core import progress
+from specgui.core.events import Start, Summary
+from specgui.core.sampling import Sampling
 from specgui.ui import runs, warmup
 from specgui.ui.runs import BaselineCache, ModelStore, RunRequest
 

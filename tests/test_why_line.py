@@ -12,7 +12,8 @@ from gradio_client import Client
 from ui_helpers import served as serve
 
 from helpers import tiny_model
-from specgui import costs, decode, fastpath
+from specgui import costs, fastpath
+from specgui.core import decode
 from specgui.ui import runs
 
 PRESETS = {"pld": "Answering from retrieved passages: pld copies them",

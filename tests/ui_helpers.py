@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from specgui.events import Event, Prefill, Start, Step, summarize
-from specgui.loading import LoadedModel, check, load
+from specgui.core.events import Event, Prefill, Start, Step, summarize
+from specgui.model.loading import LoadedModel, check, load
 from specgui.ui.page import App, served_locally
 from specgui.ui.runs import ModelStore
 

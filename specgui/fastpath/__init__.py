@@ -1,8 +1,8 @@
 """The fast path: every forward in static shapes, so that on a GPU it is one or a few CUDA graph replays.
 
-Why: on a GPU the eager runner is dispatch-bound. One eager forward of the embedded 135M model cost 23.8 ms
-on an H100, the same forward captured as a CUDA graph 3.0 ms, and 32 tokens in a graph only 1.15x one
-token (`shared/GPU.md`). That flat verify cost is what speculative decoding lives on; eager dispatch
+Why: on a GPU the eager runner is dispatch-bound: an eager forward of the embedded 135M model costs several times the
+same forward captured as a CUDA graph, and 32 tokens in a graph little more than one (docs/gpu.md). That flat verify
+cost is what speculative decoding lives on; eager dispatch
 hides it, and every draft pass pays the dispatch again.
 
 How, without giving up what methods need (skip plans that change every few steps, observers of hidden
@@ -15,7 +15,7 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
     which the tests and `python -m specgui smoke --emulate` run;
   * `program`: `Program`, a function of one static input buffer, captured as a CUDA graph on CUDA and called
     elsewhere, and the cache's table of them; the contract on held outputs (`overwrite_check`);
-  * `programs`: which programs a pass runs (a stretch of layers, a draft chain, a bucket of rows, a sub-layer),
+  * `forwards`: which programs a pass runs (a stretch of layers, a draft chain, a bucket of rows, a sub-layer),
     made at warm-up or when a method adopts a plan, never inside a timed step;
   * `readout`: the one buffer a greedy step reads, its verify Tops and what rides along with them;
   * `passes`: `StaticPass`, one forward: inputs loaded, program found, program run; plain steps chained (`PlainSteps`);
@@ -25,7 +25,7 @@ states, Fractal's compressed passes spliced in mid-forward, ragged per-layer cac
   * `skips`: layer-skip steps chained on the device, a draft chain from the cursor, its verify and acceptance;
   * `slots`: Fractal's carried steps chained on the device, the chain its slots predicted, its verify and acceptance.
 A step's forward goes through them in turn: `decode` -> `Runner.forward` -> `passes.StaticPass.whole_forward` ->
-`inputs.BucketInputs.load` (one upload, the bucket's builder program replayed) -> `programs.forward_program` (looked
+`inputs.BucketInputs.load` (one upload, the bucket's builder program replayed) -> `forwards.forward_program` (looked
 up in the cache's `program.Programs`) -> `program.Program.__call__` (a replay) -> a verify's `Top`, a view of the
 `readout`. This module holds what chooses the path and its cache (`resolve`, `cache_for`) and names what the rest of
 specgui uses.
@@ -35,28 +35,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from specgui.core.runner import Runner
 from specgui.errors import SpecGUIError
 from specgui.fastpath import device
 from specgui.fastpath.cache import StaticKVCache
+from specgui.fastpath.forwards import FORWARD, InProgram, Piece, RunLayers, RunRows, adopt, rows_made, units, warm_up
 from specgui.fastpath.inputs import BUCKETS, bucket, masks
 from specgui.fastpath.lookup import LookupSteps
 from specgui.fastpath.passes import PlainSteps, StaticPass, chain
 from specgui.fastpath.program import Program, compiles_for, overwrite_check
-from specgui.fastpath.programs import (
-    FORWARD,
-    InProgram,
-    Piece,
-    RunLayers,
-    RunRows,
-    adopt,
-    rows_made,
-    units,
-    warm_up,
-)
 from specgui.fastpath.readout import CHAIN_NODES
 from specgui.fastpath.skips import SkipSteps
 from specgui.fastpath.slots import SlotSteps
-from specgui.runner import Runner
 
 __all__ = ["BUCKETS", "CHAIN_NODES", "MODES", "SLACK", "InProgram", "LookupSteps", "Piece", "PlainSteps", "Program",
            "RunLayers", "RunRows", "SkipSteps", "SlotSteps", "StaticKVCache", "StaticPass", "adopt", "bucket",

@@ -8,7 +8,7 @@ that dropping a model frees its cache and every graph with it).
 
 The cache holds what its programs read and write at fixed addresses (the token buffer, the `readout`, each bucket's
 inputs) and the table of those programs (`Programs`), but makes none of them but its own keeper: which programs a
-pass runs is `programs`' business.
+pass runs is `forwards`' business.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from specgui.core.kvcache import KVCache
+from specgui.core.runner import Pass, Runner
 from specgui.errors import SpecGUIError
 from specgui.fastpath.inputs import BUCKETS, BucketInputs, bucket
 from specgui.fastpath.program import Program, Programs, key
 from specgui.fastpath.readout import CHAIN, Readout
-from specgui.kvcache import KVCache
-from specgui.runner import Pass, Runner
 
 SCRATCH = 2 * BUCKETS[-1]  # rows past the capacity where read-only passes keep their own keys
 KEEP = -2  # the `kind` of a keeper program (moves a step's accepted keys into place in every layer)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specgui.core.kvcache import upload
 from specgui.errors import SpecGUIError
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.device import Event
 from specgui.fastpath.inputs import fixed_block
 from specgui.fastpath.program import Program, key
 from specgui.fastpath.readout import HostRows
-from specgui.kvcache import upload
 
 ROW = -8  # the `kind` of the program that builds one-row inputs where the host says (`start_row`)
 _NOWHERE = np.zeros(1, dtype=np.int64)  # a chained step's pass's positions (its inputs are built on the device)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from specgui import compiled
+from specgui.fastpath import compiled
 
 Replay = Any  # what `capture` returns to replay a program: a `torch.cuda.CUDAGraph`, or the emulation's
 

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from specgui import compiled, kvcache
+from specgui.core import kvcache
+from specgui.fastpath import compiled
 from specgui.fastpath import device as devices
 
 aten = torch.ops.aten

@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from specgui.core.kvcache import to_device
+from specgui.core.runner import Runner
 from specgui.fastpath.device import Staging
 from specgui.fastpath.program import Program, Programs
-from specgui.kvcache import to_device
-from specgui.runner import Runner
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # 128: Lookahead's window and branch, Self-Draft's wide trees
 

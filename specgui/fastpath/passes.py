@@ -1,7 +1,7 @@
 """The pass: one forward over the static cache (or a view of it), as bucketed rows, device-side inputs and programs.
 
 A `StaticPass` is what `Runner.new_pass` makes over a `StaticKVCache`: it loads its bucket's inputs (one upload, one
-replay of their builder), finds its program (`programs`) and runs it (`call`: every program call of a pass goes
+replay of their builder), finds its program (`forwards`) and runs it (`call`: every program call of a pass goes
 through there, which `dispatch` counts). A draft chain (`chain`) is a run of one-row passes replaying one program,
 the host out of the loop; plain decoding's steps chain the same way (`PlainSteps`), a step launched before the one
 before it is read.
@@ -16,14 +16,25 @@ import numpy as np
 import torch
 from torch import nn
 
+from specgui.core.runner import (
+    ATTN,
+    VERIFY_TOP,
+    Observer,
+    Pass,
+    Runner,
+    SkipPlan,
+    Top,
+    kept_units,
+    sublayer,
+    unit_index,
+)
 from specgui.fastpath.cache import StaticKVCache, StaticView
 from specgui.fastpath.cursor import start_row
 from specgui.fastpath.device import Event
+from specgui.fastpath.forwards import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
 from specgui.fastpath.inputs import BucketInputs, bucket, fixed_block
 from specgui.fastpath.program import Program
-from specgui.fastpath.programs import InProgram, RunRows, chained_program, forward_program, rows_program, unit_program
 from specgui.fastpath.readout import HostRows
-from specgui.runner import ATTN, VERIFY_TOP, Observer, Pass, Runner, SkipPlan, Top, kept_units, sublayer, unit_index
 
 _NOTHING = np.zeros(0, dtype=np.int64)  # a pass's bounds and block before its first load (read-only: never written)
 _NOTHING.flags.writeable = False
@@ -169,7 +180,7 @@ def chain(cache: StaticKVCache, skip: SkipPlan, pending: int, start: int, limit:
           ) -> torch.Tensor:
     """A layer-skip draft of `limit` tokens from `pending` over `cache`, the host out of the loop: the one-row inputs
     built on the device (`cursor.start_row`), then `limit` replays of the plan's chained program
-    (`programs.chained_program`), each of which feeds its choice to the next and moves the inputs on by a row itself
+    (`forwards.chained_program`), each of which feeds its choice to the next and moves the inputs on by a row itself
     (`BucketInputs.advance`), so that a draft token costs the device one replay and the host nothing. Each position's
     `nodes` likeliest ids (its token, then runners-up) go straight to the token buffer's rows the verify forward reads
     them at: row 1 + i * nodes on (`StaticKVCache.place`). `start` is the committed length (the pending token's
@@ -191,7 +202,7 @@ def chain(cache: StaticKVCache, skip: SkipPlan, pending: int, start: int, limit:
 
 class PlainSteps:
     """Plain decoding's steps chained on the device (greedy): each step one replay of the one-row chained program
-    without a skip plan (`programs.chained_program`), which feeds its choice to the next replay and moves the one-row
+    without a skip plan (`forwards.chained_program`), which feeds its choice to the next replay and moves the one-row
     inputs on by a position itself, so that step t + 1 is launched before step t is read: between two launches the
     host reads nothing, and on a GPU the device never waits for the host's work on a step (its read, accepting, the
     drafter's `observe`, the event).

@@ -4,7 +4,7 @@ the table of those made over one cache (`Programs`), which says how they run.
 On CUDA a program is captured as a CUDA graph and replayed; elsewhere it is the same function called on the same
 buffers. How is the table's `device`'s business (`fastpath.device`): the emulation's device (`fastpath.emulation`)
 captures and replays as CUDA does, on a CPU, so that a test there checks the capture too. Which programs a pass runs,
-and what is inside them, is `programs`' business; this module only makes any function a program.
+and what is inside them, is `forwards`' business; this module only makes any function a program.
 
 Every program owns its output buffer, allocated before capture outside the graphs' shared memory pool: a replay of a
 program captured earlier can reuse the pool's memory of one captured later, never its output (the verify forwards'
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from specgui import compiled
+from specgui.core.runner import Runner, SkipPlan
+from specgui.fastpath import compiled
 from specgui.fastpath import device as devices
 from specgui.fastpath.device import Staging
-from specgui.runner import Runner, SkipPlan
 
 PLANS = 8  # skip plans whose forward programs a table keeps (the least recently used goes first)
 LOG = logging.getLogger("specgui.fastpath")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specgui.core.runner import VERIFY_TOP
 from specgui.errors import SpecGUIError
 from specgui.fastpath.device import Event, Host
-from specgui.runner import VERIFY_TOP
 
 CHAIN = 32  # the longest draft chain a chained program keeps (`LayerSkipParams.max_draft`'s bound)
 CHAIN_NODES = 16  # the most ids a chained draft keeps a position (SWIFT's widest candidate width)

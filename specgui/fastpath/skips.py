@@ -2,10 +2,10 @@
 
 Why: a layer-skip step (CLaSp, ASD/ADMG, Draft & Verify) drafts with the target's own layers, so its draft needs the
 token the step before accepted; drafted from the host, that is a read, accepting, the drafter's `observe`, the next
-draft's launch, while the device waits (on an H200 a paused layer-skip method ran at 0.93x plain decoding and a drafting
-one below it). Here the step starts where the step before left the device's cursor (`cursor`): one replay builds the
-one-row inputs at the pending token's position (`start_program`), the plan's chained program drafts `size` tokens
-(`programs.chained_program`: each replay feeds the next, as `passes.chain`), and one program of the verify's bucket
+draft's launch, while the device waits (on a GPU a paused layer-skip method ran under plain decoding's speed, a drafting
+one further under). Here the step starts where the step before left the device's cursor (`cursor`): one replay builds
+the one-row inputs at the pending token's position (`start_program`), the plan's chained program drafts `size` tokens
+(`forwards.chained_program`: each replay feeds the next, as `passes.chain`), and one program of the verify's bucket
 (`verify_program`) builds its inputs there, runs the verify forward, applies the draft-exit (a token stands while every
 draft token before it reached the threshold, the draft's top-1 probability, compared in float64 as the host compares)
 and the greedy acceptance, and writes the accepted tokens to the history. So step t + 1 is launched before step t is
@@ -21,15 +21,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specgui.draft import SkipChain
+from specgui.core.draft import SkipChain
+from specgui.core.runner import VERIFY_TOP, SkipPlan, Top
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.cursor import Block, Synced
 from specgui.fastpath.device import Event
+from specgui.fastpath.forwards import chained_program, forward_program
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.program import Program, key
-from specgui.fastpath.programs import chained_program, forward_program
 from specgui.fastpath.readout import CHAIN, HostRows, width
-from specgui.runner import VERIFY_TOP, SkipPlan, Top
 
 START = -6  # the `kind` of the program starting a chained layer-skip step (its one-row inputs at the cursor)
 SKIP = -7  # the `kind` of a chained layer-skip step's verify program
@@ -108,7 +108,7 @@ class SkipSteps:
         """A step drafting `chain` from the device's cursor, or, given the run's `tokens` (the pending one last), from
         those. Returns its verdict as a host `Top` [rows, 3 k + 1], the event to wait for before reading it (None off
         CUDA), the host view of how many draft tokens the device accepted [1] (read with the verdict: `cursor.check`)
-        and of the chain's Tops [size, 3 k + 1] (its nodes' values: `OnDevice.values`)."""
+        and of the chain's Tops [size, 3 k + 1] (its nodes' values: `Unread.values`)."""
         cache, rows = self.cache, bucket(1 + chain.size)
         if chain.plan is not self.plan:
             self.plan, self.made = chain.plan, {}

@@ -14,7 +14,7 @@ step carries. Step t + 1 is launched before step t is read wherever the drafter'
 
 The verify carries the chain's whole size whatever stands (the rows past the cut are seen by no row and accepted
 never), so that the program has one shape a size; the host reads each step a step behind, its tokens with the
-verdict (`OnDevice`), and checks that the device accepted what the host's verifier did (`cursor.check`).
+verdict (`Unread`), and checks that the device accepted what the host's verifier did (`cursor.check`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specgui.draft import SlotChain
+from specgui.core.draft import SlotChain
+from specgui.core.runner import VERIFY_TOP, Top
 from specgui.fastpath.cache import StaticKVCache
 from specgui.fastpath.cursor import Block, Synced, replay
 from specgui.fastpath.device import Event
+from specgui.fastpath.forwards import forward_program
 from specgui.fastpath.inputs import bucket
 from specgui.fastpath.lookup import matcher
 from specgui.fastpath.program import Program, key
-from specgui.fastpath.programs import forward_program
 from specgui.fastpath.readout import CHAIN, HostRows, width
-from specgui.runner import VERIFY_TOP, Top
 
 SLOTS = -9  # the `kind` of a carried step's program
 
@@ -124,7 +124,7 @@ class SlotSteps:
         pending one last), from those (the carried slots are the device's either way). Returns its verdict as a host
         `Top` [rows, 3 k + 1], the event to wait for before reading it (None off CUDA), the host view of how many draft
         tokens the device accepted [1] (read with the verdict: `cursor.check`) and of its draft's values (how many
-        stood, the chain, the slot guesses: `OnDevice.values`)."""
+        stood, the chain, the slot guesses: `Unread.values`)."""
         cache, rows = self.cache, bucket(chain.rows)
         host, event = replay(cache, slot_program(cache, chain), (self.synced.sync(tokens, rows), chain.restart), rows,
                              self.host)

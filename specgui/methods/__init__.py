@@ -1,14 +1,19 @@
-"""Drafting methods by name.
+"""Drafting methods by name, one module per method in its family's folder, each registering its drafter with
+`@register`, beside the parts its family shares:
 
-The package holds one module per method (each registers its drafter with `@register`) and the parts only
-methods use: `layerskip` (every layer-skip method), `skipdp` (CLaSp), `skipsearch` and `bayesopt` (SWIFT,
-Draft & Verify), `ngram_cache` (Self-Draft, Lookahead), `compress` (Fractal).
+  * `ngram/`: prompt lookup (`pld`), Self-Draft (`selfdraft`), Lookahead (`lookahead`); the n-gram caches they share
+    (`ngram_cache`; the corpus cache is built by `tools.corpus`);
+  * `layerskip/`: CLaSp (`clasp`), ASD/ADMG (`admg`), SWIFT (`swift`), Draft & Verify (`dv`); the chain drafting they
+    share (`drafting`), CLaSp's dynamic program (`skipdp`), SWIFT's and D&V's search (`skipsearch`, `bayesopt`);
+  * `fractal/`: Fractal-LLM (`fractal`) and its compressed copies (`compress`);
+  * here: plain decoding (`baseline`), the drafter's contract (`base`), the draft-sizing policy every method shares
+    (`policy`), parameters (`params`) and their presets (`presets`, from configs/).
 Adding a method takes three things, and nothing in the core or the UI:
-  * a module here whose drafter class is decorated with `@register`,
-  * its module name in `METHODS` below (which also sets the order menus and tables show),
+  * a module whose drafter class is decorated with `@register` (in its family's folder: `FAMILIES`),
+  * its name in `METHODS` below (which also sets the order menus and tables show),
   * `configs/<name>.yaml` with a default for every field of its `Params` (presets per model / device).
 The app builds the method's parameter panel from its `Params` and shows payload keys it does not know as
-text in the step inspector; keys listed in `specgui.events` get their own drawings.
+text in the step inspector; keys listed in `specgui.core.events` get their own drawings.
 
 `create` builds a drafter with its preset parameters for a model and device, plus the caller's overrides.
 """
@@ -19,20 +24,23 @@ import dataclasses
 import importlib
 from typing import Any
 
-from specgui.config import build_params
+from specgui.core.runner import Runner
+from specgui.core.sampling import Sampling
 from specgui.errors import SpecGUIError
 from specgui.methods.base import REGISTRY, DecodeState, Drafter, register
-from specgui.runner import Runner
-from specgui.sampling import Sampling
+from specgui.methods.presets import build_params
 
-__all__ = ["METHODS", "DecodeState", "Drafter", "create", "fixed", "get", "names", "params_for", "register"]
+__all__ = ["FAMILIES", "METHODS", "DecodeState", "Drafter", "create", "fixed", "get", "names", "params_for", "register"]
 
 METHODS = ("baseline", "pld", "clasp", "admg", "selfdraft", "fractal", "swift", "dv", "lookahead")
+FAMILIES = {"pld": "ngram", "selfdraft": "ngram", "lookahead": "ngram", "clasp": "layerskip", "admg": "layerskip",
+            "swift": "layerskip", "dv": "layerskip", "fractal": "fractal"}  # the folder of each method's module
 
 for _name in METHODS:
-    importlib.import_module(f"{__name__}.{_name}")
+    _module = ".".join(filter(None, (__name__, FAMILIES.get(_name), _name)))
+    importlib.import_module(_module)
     if _name not in REGISTRY:
-        raise ImportError(f"{__name__}.{_name} registers no drafter named {_name!r}")
+        raise ImportError(f"{_module} registers no drafter named {_name!r}")
 
 
 def names() -> list[str]:

@@ -1,19 +1,26 @@
-"""The drafter interface every method implements, and the decorator that registers one.
+"""The drafter's contract, the decoding state it reads, and the decorator that registers a drafter.
 
-A drafter is created per generation and lives through four calls, all made by `decode.generate`:
+Every method implements two calls, both made by the decode loop (`core.step.Run`):
 
-  setup(state)            before the clock starts: one-time work no run is timed for (the offline search
-                          a paper does before decoding, first-use timings of the method's own mechanisms)
-  begin(state)            before the prompt forward, timed; may return an observer for it (ADMG reads the
-                          prompt's hidden states there)
-  draft(state) -> Draft   propose a token tree; may run its own forwards, but must leave every cache
-                          layer holding exactly the committed prefix, as it found it
-  observe(state, outcome) learn from the verdict (n-gram caches, skip sets, back-off); also called
-                          once after the prompt forward with an empty path. Returns the event payload.
+  draft(state) -> Draft      propose a token tree for the next verify forward; it may run forwards of its own, but
+                             leaves every cache layer holding exactly the committed prefix, as it found it
+  observe(state, outcome)    learn from the verdict (n-gram caches, skip sets, back-off); also called once after the
+                             prompt forward with an empty path. Returns the step's event payload (`core.events`)
 
-Tunables live in a `Params` dataclass per method, declared with `specgui.params.param` so that presets
-(`configs/<method>.yaml`), the CLI and the app's parameter panel all validate the same ranges. How much
-to draft each step is the cost model's call (`specgui.methods.policy`), from `DecodeState.profile`.
+The rest are optional (the defaults here do nothing, or the plain thing):
+
+  setup(state)               before the clock starts: one-time work no run is timed for (an offline search, a
+                             mechanism's first-use timing, saved in the cost profile)
+  begin(state) -> Observer   before the prompt forward; an observer of its hidden states (ADMG's similarities)
+  sizing(state, sizes)       the policy that sizes drafts (`policy.DraftPolicy`: the cost model's, or fixed)
+  pieces() -> [Piece]        stretches of layers this method runs as pieces (the fast path makes their programs)
+  after_launch(state)        learning from the last verdict the next draft does without, beside the next forward
+  ahead(state) -> Draft      the next step's draft where the device can make it whatever the verdict in flight
+                             (a plain step, a prompt lookup, a device-drafted chain): launched before that read
+
+A family's base adds what its members share (`layerskip.drafting.LayerSkipDrafter`: the chain drafting, the skip
+plan's preparation and learning). Tunables live in a `Params` dataclass per method, declared with `params.param` so
+that presets (`configs/<method>.yaml`), the CLI and the app's parameter panel validate the same ranges.
 """
 
 from __future__ import annotations
@@ -25,13 +32,13 @@ from typing import Any, ClassVar
 import torch
 
 from specgui import fastpath
+from specgui.core.draft import Draft, Outcome, Rider
+from specgui.core.kvcache import KVCache
+from specgui.core.runner import Observer, Runner, SkipPlan
+from specgui.core.sampling import Sampling
 from specgui.costs import CostProfile
-from specgui.draft import Draft, Outcome, Rider
-from specgui.kvcache import KVCache
+from specgui.methods.params import NoParams
 from specgui.methods.policy import PRIOR_ALPHA, DraftPolicy
-from specgui.params import NoParams
-from specgui.runner import Observer, Runner, SkipPlan
-from specgui.sampling import Sampling
 
 REGISTRY: dict[str, type[Drafter]] = {}
 
@@ -60,7 +67,7 @@ class DecodeState:
 
     @property
     def unread(self) -> bool:
-        """Whether drafts stay on the device until the step's one read (`specgui.draft.OnDevice`): on the fast path
+        """Whether drafts stay on the device until the step's one read (`specgui.core.draft.Unread`): on the fast path
         under greedy decoding. Elsewhere a read costs nothing (the CPU is the device) and a drafter reading as it
         goes stops at its exit without drafting past it."""
         return self.static and self.sampling.greedy

@@ -4,7 +4,7 @@ It is the base `Drafter` unchanged (an empty draft every step), so the loop, cac
 are exactly those the speculative methods use: speedups compare like with like.
 """
 
-from specgui.draft import Draft
+from specgui.core.draft import Draft
 from specgui.methods.base import DecodeState, Drafter, register
 
 

@@ -14,7 +14,7 @@ predicts a loss, and drafting resumes at once when the curve says it pays. A pro
 draft accepted at the prior's rate (below) would at least break even: where even that loses, as a layer-skip draft of a
 small model on a CPU does, no probe can find a gain worth its cost, and the method decodes plainly; such a pause
 for good stands unpriced for `RECHECK` steps at a time (the prices move with the context, slowly; pricing every size
-every step cost ~0.1 ms of a ~18 ms plain step on an AMD EPYC, a loss the method's plain decoding need not carry).
+every step is host time the method's plain decoding need not carry).
 The papers' mechanisms (what is drafted, how it is verified) are untouched: the policy only says how much,
 and whether.
 
@@ -29,18 +29,16 @@ that the policy tries them, but no higher than the curve's slope below them allo
 steps weigh more (`DECAY`, applied to every size at every verdict), so the curve follows the text and a
 size not re-checked lately returns towards its prior. The prior weighs as one verdict where a size has none of its
 own and halves with each verdict's weight of them (`PRIOR_FADE`), so a size's running acceptance soon prices it alone,
-whatever the prior hoped. At a fixed weight beside a memory that never weighs more than ten verdicts, the prior kept
-a tenth of its say for good: E[accepted | 1] never fell below alpha / 11 (7% at 0.8), and on a GPU, where a verify of
-two rows costs one and a deeply skipped draft token is priced near nothing, that floor alone predicted a gain: dv
-drafted every step of a run at 0% acceptance (H200, bf16). Now four verdicts that accept nothing pause it; prompt
-lookup replayed on the same outputs and profile lost nearly nothing by it (a curve per regime: 1.34x and 1.50x on
-the held-out and development prompts, against 1.35x and 1.51x at the fixed weight).
+whatever the prior hoped. At a fixed weight beside a memory that never weighs more than ten verdicts, the prior would
+keep a tenth of its say for good (E[accepted | 1] never below alpha / 11), and on a GPU, where a verify of two rows
+costs one and a deeply skipped draft token is priced near nothing, that floor alone predicts a gain at 0% acceptance.
+So the prior's weight fades with the verdicts: four that accept nothing pause it.
 
 Drafting as a whole is priced too, where a pause chains on the device (`whole_pauses`): there a paused step is plain
 decoding's, launched before the step before it is read, while every step of a method that drafts is launched after its
 read, and pays the host's work between the two forwards whether or not it drafts (a lookup that finds nothing, a pool
-with no candidate). On an H200 that step cost 1.2x a chained one, and prompt lookup, drafting only where its steps
-priced a gain, ran at 0.90x plain decoding. So each step decoded outside a pause is settled (`settle`): its tokens
+with no candidate), so a method can price a gain on every step it drafts and still lose to plain decoding. So each
+step decoded outside a pause is settled (`settle`): its tokens
 against its price in chained plain steps, a decayed mean like the curve's; where, over at least `EVIDENCE` such steps,
 drafting yields fewer tokens than plain decoding would in the same time, the method pauses whole (doubling, as probes
 do), and its steps chain.
@@ -49,7 +47,7 @@ Acceptance runs in streaks: output that copies its input (a summary quoting its 
 name) keeps copying, and a draft right after a rejection is accepted less often than one right after a
 success. So the policy keeps one curve per regime, the number of tokens the previous verdict accepted (0,
 1, or 2 and more; a step reported as drafting nothing counts as 0), and prices each step by the curve of
-the regime it is in. Prompt lookup replayed exactly on greedy outputs (`python -m specgui.replay`, 14 held-out
+the regime it is in. Prompt lookup replayed exactly on greedy outputs (`python -m specgui.tools.replay`, 14 held-out
 and 14 development prompts, 64 tokens, priced by one CPU profile): one curve 1.29x and 1.46x, a curve per regime
 1.35x and 1.47x (measured in the held-out bench: 1.31x before, 1.33-1.35x after); the previous step's accepted
 count cut finer (3 and more), or the matched n-gram's length added, did no better.
@@ -63,7 +61,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specgui.params import param
+from specgui.methods.params import param
 
 MARGIN = 0.02  # drafting must be predicted at least this much faster than plain decoding
 PRIOR_ALPHA = 0.8  # prior per-token acceptance for sizes never observed
@@ -71,7 +69,7 @@ PRIOR_WEIGHT = 1.0  # the prior counts as this many steps where a size has no ve
 PRIOR_FADE = 0.5  # ... and this much less per verdict's weight it has
 DECAY = 0.9  # weight of the past per new observation (an effective memory of about ten steps)
 REGIMES = 3  # acceptance curves kept: after a verdict that accepted 0, 1, or 2 and more tokens
-RECHECK = 8  # a pause for good (`Plan.hopeless`) is priced again every this many steps
+RECHECK = 8  # a pause for good (`Sizing.hopeless`) is priced again every this many steps
 EVIDENCE = 4  # steps drafting as a whole is judged on (`settle`) before it may call a pause
 
 
@@ -88,7 +86,7 @@ class SizedParams:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Sizing:
     """One step's decision: draft `size` (0: nothing), and why."""
 
     size: int
@@ -100,10 +98,10 @@ class Plan:
     alpha: float = PRIOR_ALPHA  # the prior's per-token acceptance
     regime: int = 0  # the curve that priced it: tokens the previous verdict accepted (capped at REGIMES - 1)
 
-    def cut(self, size: int) -> Plan:
+    def cut(self, size: int) -> Sizing:
         """The plan drafting `size` instead (what a step can offer, below the size chosen ahead). Made directly:
         `dataclasses.replace` costs several times more, between a verdict's read and the next launch."""
-        return Plan(size, self.mode, self.predicted, self.best, self.expected, self.prior, self.alpha, self.regime)
+        return Sizing(size, self.mode, self.predicted, self.best, self.expected, self.prior, self.alpha, self.regime)
 
     @property
     def hopeless(self) -> bool:
@@ -132,15 +130,15 @@ class DraftPolicy:
         self.pause = 1  # length of the next pause
         self.left = 0  # paused steps still to come
         self.probe = False  # the step after a pause probes
-        self.standing: Plan | None = None  # a pause for good, with the steps it still stands unpriced
+        self.standing: Sizing | None = None  # a pause for good, with the steps it still stands unpriced
         self.stands = 0
         # a pause is served whole, unpriced (`paused_ahead`): its plan stands for its steps, as a pause for good does
         self.whole_pauses = whole_pauses
-        self.pausing: Plan | None = None
-        self.early: Plan | None = None  # the next step's plan, priced on the last step of a pause for good
+        self.pausing: Sizing | None = None
+        self.early: Sizing | None = None  # the next step's plan, priced on the last step of a pause for good
         self.held = False  # the last plan was a pause served whole (not settled: it was no drafting step)
-        self.next: tuple[Plan, bool] | None = None  # chosen ahead (`plan_ahead`): the next step's plan and `held`
-        self.planned: tuple[Plan, bool] | None = None  # the step's plan as `take` gave it: what `learn` folds it in as
+        self.next: tuple[Sizing, bool] | None = None  # chosen ahead (`plan_ahead`): the next step's plan and `held`
+        self.planned: tuple[Sizing, bool] | None = None  # the step's plan as `take` gave it: `learn` folds it in so
         self.unlearnt: tuple[Any, ...] | None = None  # a verdict `learn` was told to fold in `later`, with its plan
         self.prices: tuple[object, dict[int, float]] | None = None  # priced ahead (`price_ahead`): shape, size -> ms
         self.tokens = self.cost = 0.0  # drafting as a whole: decayed tokens, and price in plain steps (`settle`)
@@ -190,7 +188,7 @@ class DraftPolicy:
         return out
 
     def choose(self, cost: Callable[[int], float], plain_ms: float, limit: int | None = None,
-               shape: object = None) -> Plan:
+               shape: object = None) -> Sizing:
         """The plan for this step; `cost(n)` is the predicted ms of a step that drafts size n, `limit` the
         most the drafter can offer now (a lookup's length, the tokens left in the budget); `shape`, the draft's
         besides its size, where the sizes were priced ahead for it (`price_ahead`)."""
@@ -202,7 +200,7 @@ class DraftPolicy:
             self.left -= 1
             return self.pausing
         if not sizes:
-            return Plan(0, "paused", 1.0, 1.0, 0.0, regime=self.regime)
+            return Sizing(0, "paused", 1.0, 1.0, 0.0, regime=self.regime)
         if self.early is not None:
             early, self.early = self.early, None
             return early
@@ -237,7 +235,7 @@ class DraftPolicy:
         the cost model learnt up to it; `limit` is what the drafter can offer whatever this step emits."""
         self.next = self.choose(cost, plain_ms, limit), self.held
 
-    def take(self, pricing: Pricing, limit: int | None = None) -> Plan:
+    def take(self, pricing: Pricing, limit: int | None = None) -> Sizing:
         """This step's plan: the one chosen ahead (`plan_ahead`), else chosen now, priced by `pricing()` (the step's
         `cost` and `plain_ms`: priced only then, since a plan chosen ahead needs no price). `learn` then folds the
         step's verdict into the curve that plan was priced by and settles it as what it was (the next plan may be
@@ -247,7 +245,7 @@ class DraftPolicy:
         self.planned, self.next = self.next, None
         return self.planned[0]
 
-    def sized(self, ahead: bool, pricing: Pricing, limit: int) -> Plan:
+    def sized(self, ahead: bool, pricing: Pricing, limit: int) -> Sizing:
         """This step's plan: where plans are chosen ahead (`ahead`, the device's path) the one `plan_ahead` chose,
         cut to `limit`, what this step can offer now (the budget left, a carried chain); else chosen now (`take`'s
         `pricing`)."""
@@ -256,9 +254,9 @@ class DraftPolicy:
         plan = self.take(pricing, limit)
         return plan if plan.size <= limit else plan.cut(limit)
 
-    def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Plan:
+    def _priced(self, cost: Callable[[int], float], plain_ms: float, sizes: list[int]) -> Sizing:
         """`choose`'s plan where the sizes are priced."""
-        plan = functools.partial(Plan, regime=self.regime)  # every plan names the curve that priced it
+        plan = functools.partial(Sizing, regime=self.regime)  # every plan names the curve that priced it
         curve, costs = self.curve(sizes[-1]), {n: cost(n) for n in sizes}
         gains = {n: (1 + curve[n]) * plain_ms / costs[n] for n in sizes}
         if self.fixed:
@@ -301,7 +299,7 @@ class DraftPolicy:
             self.rest = 1
             return
         gain = self.tokens / self.cost
-        self.pausing = Plan(0, "paused", 1.0, gain, 0.0, gain, self.alpha, self.regime)
+        self.pausing = Sizing(0, "paused", 1.0, gain, 0.0, gain, self.alpha, self.regime)
         self.left, self.rest = self.rest, min(2 * self.rest, self.max_pause)
         self.tokens = self.cost = 0.0
         self.settled = 0
@@ -341,7 +339,7 @@ class DraftPolicy:
             unlearnt, self.unlearnt = self.unlearnt, None
             self._learn(*unlearnt)
 
-    def _learn(self, planned: tuple[Plan, bool] | None, path: Sequence[int], verified: int, exhausted: bool,
+    def _learn(self, planned: tuple[Sizing, bool] | None, path: Sequence[int], verified: int, exhausted: bool,
                emitted: int, priced: float) -> None:
         if planned is not None:  # taken (`take`): the step's own regime and `held`, not the next plan's
             plan, self.held = planned

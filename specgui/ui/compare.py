@@ -1,6 +1,6 @@
-"""The Compare tab: the built-in suite (or one category) across chosen methods, via `specgui.bench`.
+"""The Compare tab: the built-in suite (or one category) across chosen methods, via `specgui.tools.bench`.
 
-A paper preset (`specgui.papers`) replaces the methods and categories by a seed paper's comparison set and
+A paper preset (`specgui.tools.papers`) replaces the methods and categories by a seed paper's comparison set and
 lays the table out as that paper does, its own reported numbers beside ours.
 
 The numbers are exactly the CLI's `bench` (same warm-up, rotation and medians), so the tab and the
@@ -13,11 +13,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from specgui import bench, hosting, papers
-from specgui.loading import LoadedModel
-from specgui.papers import PaperPreset
-from specgui.prompts import PromptRow, select
-from specgui.sampling import Sampling
+from specgui.core.sampling import Sampling
+from specgui.model import hosting
+from specgui.model.loading import LoadedModel
+from specgui.tools import bench, papers
+from specgui.tools.papers import PaperPreset
+from specgui.tools.prompts import PromptRow, select
 
 ALL = "all categories"
 COLUMNS = ["method", "category", "tok/s", "speedup", "tau", "acceptance", "identical"]

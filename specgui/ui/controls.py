@@ -1,7 +1,7 @@
 """Input widgets built from metadata: a parameter panel per method, decoding settings, example prompts.
 
 Presets (`configs/demos.yaml`) set method, prompt and budget in one choice, for a stage demo.
-Each method's panel comes from `specgui.params.specs(cls.Params)` (type, range, choices, help) with
+Each method's panel comes from `specgui.methods.params.specs(cls.Params)` (type, range, choices, help) with
 values from `methods.params_for` (the `configs/` preset for the model and device), so a method that
 lands with a new `Params` gets its panel without a line of UI code. All panels exist at once and only
 the chosen method's is visible: gradio's layout is fixed when the page is built.
@@ -20,12 +20,12 @@ import gradio as gr
 import yaml
 
 from specgui import methods
-from specgui.config import CONFIG_DIR, decoding_defaults
+from specgui.core.sampling import Sampling
+from specgui.core.text import Messages
 from specgui.errors import SpecGUIError
-from specgui.params import specs
-from specgui.prompts import PromptRow, load_prompts
-from specgui.sampling import Sampling
-from specgui.text import Messages
+from specgui.methods.params import specs
+from specgui.methods.presets import CONFIG_DIR, decoding_defaults
+from specgui.tools.prompts import PromptRow, load_prompts
 
 SLIDER_STEPS = 100  # float sliders move in 1/100 of their range
 

@@ -43,14 +43,18 @@ from typing import Any
 
 import gradio as gr
 
-from specgui import ASSETS_DIR, compiled, fastpath, hosting, kernels, methods, papers
-from specgui.config import decoding_defaults
+from specgui import ASSETS_DIR, fastpath, methods
+from specgui.core.events import MAX_TRACE_BYTES, Event, load_trace, loads_trace, save_trace, to_json
+from specgui.core.sampling import Sampling
+from specgui.core.text import encode_prompt
+from specgui.cpu import kernels
 from specgui.errors import SpecGUIError
-from specgui.events import MAX_TRACE_BYTES, Event, load_trace, loads_trace, save_trace, to_json
-from specgui.loading import EMBEDDED, EMBEDDED_NAME, LoadedModel, resolve_device
-from specgui.prompts import load_prompts
-from specgui.sampling import Sampling
-from specgui.text import encode_prompt
+from specgui.fastpath import compiled
+from specgui.methods.presets import decoding_defaults
+from specgui.model import hosting
+from specgui.model.loading import EMBEDDED, EMBEDDED_NAME, LoadedModel, resolve_device
+from specgui.tools import papers
+from specgui.tools.prompts import load_prompts
 from specgui.ui import charts, compare, controls, diffs, render, runs, warmup
 from specgui.ui.runs import BASELINE, METHOD, BaselineCache, ModelStore, RunRequest, Tick, Worker
 from specgui.ui.view import RunView, TokenText, comparable, median_index, spread, why

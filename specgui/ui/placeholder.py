@@ -26,7 +26,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from specgui import progress
+from specgui.core import progress
 
 MARK = 'id="sg-starting"'
 HEALTH_PATH = "/healthz"  # 503 while starting, 200 once the app serves the address (a Space's or container's probe)

@@ -40,14 +40,16 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgui import costs, decode, fastpath, hosting, progress
+from specgui import costs, fastpath
+from specgui.core import decode, progress
+from specgui.core.events import Event, Prefill, Start, Step, Summary
+from specgui.core.sampling import Sampling
+from specgui.core.text import Messages, encode_prompt
 from specgui.costs import CostProfile, Drift
 from specgui.errors import SpecGUIError
-from specgui.events import Event, Prefill, Start, Step, Summary
-from specgui.loading import EMBEDDED, LoadedModel, ModelSpec, load
-from specgui.loading import check as check_spec
-from specgui.sampling import Sampling
-from specgui.text import Messages, encode_prompt
+from specgui.model import hosting
+from specgui.model.loading import EMBEDDED, LoadedModel, ModelSpec, load
+from specgui.model.loading import check as check_spec
 
 METHOD, BASELINE = "method", "baseline"  # the two panes
 DEVICE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgui-device")  # see the module docstring
@@ -82,7 +84,7 @@ class RunRequest:
     repeats: int = 1  # method / baseline pairs, run in turn
     reuse_baseline: bool = False  # take baseline's events from the cache when it holds them
     fast_path: str = "auto"  # static cache + bucketed forwards (+ CUDA graphs): auto = on a GPU (`specgui.fastpath`)
-    compile: str = "auto"  # the fast path's programs as inductor's kernels: auto = on a GPU (`specgui.compiled`)
+    compile: str = "auto"  # the fast path's programs as inductor's kernels: auto = on a GPU (`fastpath.compiled`)
 
 
 class ModelStore:
@@ -282,7 +284,7 @@ def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]]
 def calibrate_here(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]],
                    tokens: int = CALIBRATION_TOKENS, hold: Callable[[], None] | None = None, room: int = 0,
                    on_phase: Callable[[progress.Phase], None] | None = None) -> int:
-    """`calibrate`'s work on the calling thread (it must be `DEVICE`), as one phase (`specgui.progress`) handed to
+    """`calibrate`'s work on the calling thread (it must be `DEVICE`), as one phase (`specgui.core.progress`) handed to
     `on_phase`, a step a preset; `hold` is called before every preset after the first (a test's pause)."""
     static = fastpath.resolve("auto", lm.runner)
     with progress.phase("calibrating the demo presets", total=len(runs)) as phase:

@@ -6,7 +6,7 @@ pairs, and `why` decomposes one pair's speedup into what the runs measured. `ren
 read these, so tests can check every component against hand-built events without launching anything.
 
 Payloads come from methods and, in a replay, from an untrusted file: `parse_internals` reads the keys
-listed in `specgui.events` defensively and drops any value of the wrong shape instead of trusting it.
+listed in `specgui.core.events` defensively and drops any value of the wrong shape instead of trusting it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specgui.core.events import Event, Prefill, Start, Step, Summary
 from specgui.costs import describe_origin
-from specgui.equality import Divergence, first_divergence
-from specgui.events import Event, Prefill, Start, Step, Summary
 from specgui.methods.policy import MARGIN, PRIOR_ALPHA
+from specgui.tools.equality import Divergence, first_divergence
 
 # Token kinds in the method pane: how each piece of text came to be there.
 ACCEPTED, BONUS, CORRECTION, REJECTED = "accepted", "bonus", "correction", "rejected"

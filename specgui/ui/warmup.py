@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from specgui import hosting, progress
+from specgui.core import progress
+from specgui.core.progress import Phase
 from specgui.errors import SpecGUIError
-from specgui.loading import LoadedModel
-from specgui.progress import Phase
+from specgui.model import hosting
+from specgui.model.loading import LoadedModel
 from specgui.ui import render, runs
 
 WAIT_TICK_S = 1.0  # a waiting Run's status is redrawn this often
