@@ -251,3 +251,27 @@ def test_each_pair_puts_every_name_after_every_other_once():
     order = smoke.each_pair(names)
     pairs = list(itertools.pairwise(order))
     assert sorted(pairs) == sorted((a, b) for a in names for b in names if a != b)
+
+
+def test_the_smoke_command_refuses_bad_input_in_one_line(capsys):
+    from specgui.cli import main
+
+    assert main(["smoke", "--emulate", "--dtypes", "float8"]) == 2
+    assert "--dtypes takes float32, bfloat16 or float16, got 'float8'" in capsys.readouterr().err
+    assert main(["smoke", "--emulate", "--methods", "nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["smoke"]) == 2
+        assert "use --emulate" in capsys.readouterr().err
+
+
+def test_the_smoke_command_prints_a_line_a_check_and_exits_0_when_all_pass(capsys):
+    from specgui.cli import main
+
+    assert main(["smoke", "--emulate", "--methods", "baseline,pld", "--tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith(("PASS", "FAIL"))] == [
+        "PASS float32 emulated baseline first on a fresh cache, pipelined",
+        "PASS float32 emulated baseline serially after it",
+        "PASS float32 emulated pld first on a fresh cache, pipelined", "PASS float32 emulated pld serially after it"]
+    assert lines[-1].startswith("# 4 passed, 0 failed")
