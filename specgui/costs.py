@@ -137,9 +137,8 @@ class CostProfile:
     def monotone_forward(self) -> list[list[float]]:
         """`forward` as prices read it: per context, the closest curve (least squares) that never falls as rows grow
         (`_monotone`). A forward over more rows streams the same weights and adds arithmetic, so a dip is a noisy
-        median; priced as measured, one (1 row 35.4 ms, 2 rows 33.0, in a profile taken while the machine slowed)
-        made a 2-row verify 7% cheaper than a plain step, and Self-Draft and Lookahead drafted at any acceptance
-        (multi-turn 0.98x against 1.18x predicted). The measured medians stay in `forward` (what `profile` prints)."""
+        median; priced as measured, a dip makes a 2-row verify cheaper than a plain step, and the n-gram drafters
+        then draft at any acceptance. The measured medians stay in `forward` (what `profile` prints)."""
         return [_monotone(costs) for costs in self.forward]
 
     @property
@@ -147,8 +146,8 @@ class CostProfile:
         """What a decoding step costs beyond its forward (the verdict, the cache, the bookkeeping): the measured
         plain step less the one-token forward (the step priced by its ratio to that forward). With their noise it
         can come out below zero; it is
-        kept so, so that a plain step is priced at what it measured, not above it (clamped at zero, a step of
-        32.1 ms was priced 33.6 and every prediction came out ~5% optimistic)."""
+        kept so, so that a plain step is priced at what it measured, not above it (clamped at zero, every plain step
+        is priced above its measure and every prediction comes out optimistic)."""
         return self.step - self._one_token_ms
 
     @cached_property  # of `forward`, `contexts` and `head`, never changed after construction; `step` is set later
@@ -309,8 +308,8 @@ class Calibration:
     taken at the method's ratio; any other step teaches the method's work ratio, its verify taken at the verify
     ratio: the two never learn from the same step, so one cannot absorb the other's error and drift without bound.
 
-    A ratio cannot correct a price near zero: Self-Draft's retrieval was priced at 0.007 ms (timed alone) where its
-    drafting phase took 1.6 ms a step on an H200, and the policy sized by 1.09x where the run gave 0.92x. So a
+    A ratio cannot correct a price near zero: a method's host work timed alone (Self-Draft's retrieval) is priced at
+    almost nothing where, on a GPU, its drafting phase is a real share of the step, and the policy oversizes. So a
     drafting step (one that verifies more than its pending token) whose work is small beside its verify also teaches
     the method's host cost, in ms: its measured drafting phase less its work as priced (`host_ms`, a decayed mean like
     the ratios, shrunk towards 0 by `CALIBRATION_PRIOR`, each observation at most a verify's price from the cost it
@@ -619,8 +618,8 @@ def _plain_step_ms(lm: Any, prompt: list[int], profile: CostProfile, *, run: Dec
     least of the rounds' medians (another process's burst only ever slows a run down). With `beside` (a one-token
     forward at the profile's short context), each round also times that forward, and the step is priced as the
     median of the rounds' ratios of step to forward times the profile's own one-token forward: timed apart, a step
-    measured in a faster moment than the forward curve came out 4.4 ms under a one-token forward (a loop of -4.4 ms,
-    every verify priced that much too cheap; AMD EPYC, 2026-11-26 05:42 UTC).
+    measured in a faster moment than the forward curve can come out under a one-token forward (a negative loop,
+    every verify priced that much too cheap).
     """
     run = run or _decoder
     if run is None:
@@ -719,7 +718,8 @@ def _which(lm: Any, fast_path: bool) -> tuple[bool, bool]:
 def flat_profile(lm: Any, fast_path: bool, ms: float = 10.0) -> CostProfile:
     """A hand-made cost profile in which a forward costs `ms` whatever its rows and context: for runs whose verdicts
     rest on no price (fixed draft sizes: the tests, the smoke), so that they measure no profile of their own (on the
-    CPU's fast path, the embedded model's took ~37 s and left the static cache sized for a 1088-token context)."""
+    CPU's fast path, measuring the embedded model's takes tens of seconds and sizes the static cache for a long
+    context)."""
     layers = lm.runner.num_layers
     return CostProfile(key=profile_key(lm, fast_path), sizes=[1, 64], contexts=[128], forward=[[ms, ms]], step=ms,
                        attn=[ms / (4 * layers)] * layers, mlp=[ms / (4 * layers)] * layers, head=ms / 10)

@@ -3,7 +3,7 @@
 - `DEVICE` is the one thread that ever touches a model (loading, decoding, the Compare suite). Besides
   serialising runs, this matters for speed on CPU: once a second thread has run OpenMP work, libgomp
   sees more threads than cores and stops spin-waiting, and small matmuls in the other thread fall to
-  about single-core speed (measured: a 4-row verify matmul 110 us -> 205 us, pld 25% slower). So the
+  about single-core speed (a small verify matmul takes about twice as long). So the
   page's threads only render, and the model's work stays on one long-lived thread.
 - `ModelStore` loads a model once and shares it; `busy` is held for a whole live run (method and
   baseline), so no other run slips in between or shares the device.
@@ -261,17 +261,16 @@ def calibrate(lm: LoadedModel, runs: list[tuple[list[int], str, dict[str, Any]]]
     """Before the first visitor's run, as a bench's warm-up does: decode `tokens` of plain decoding and of each (prompt
     ids, method, parameters) on `DEVICE`, so that the app's first run is priced by a calibration (`costs.Calibration`)
     that has seen every row count the demo presets verify, in this moment of the machine, and not by the raw profile
-    (a fresh app priced pld's first run 17% under what it measured). The app does this in the background once its
+    (which prices a fresh app's first run well under what it measures). The app does this in the background once its
     page is up (`specgui.ui.warmup`), submitting `calibrate_here` itself; this waits for it.
 
     Every start, even where the saved profile has learnt before (a profile's check teaches it plain steps, so it
     always has): a speedup is priced by the ratio of two corrections (a verify of its rows over a plain step), and
     both must be of one moment of the machine and of the thread that decodes. So on `DEVICE` (see the module
-    docstring): a warm-up on the main thread, skipped where the saved profile had learnt, left pld's first run 31%
-    under its measured speedup (its 6-row verifies then took 40 ms instead of 28, priced against plain steps timed
-    on the other thread); decoded on `DEVICE` every start, the pld, selfdraft and fractal presets' first runs in two
-    fresh processes were predicted within 3% of their measured speedups, overall and per step (2-core Xeon, shared).
-    It takes 14 s there for the nine demo presets. Returns how many runs it decoded.
+    docstring): a warm-up on the main thread, skipped where the saved profile had learnt, priced verifies that
+    then ran slower on `DEVICE` against plain steps timed on the other thread, and a first run came out far under
+    its measured speedup; decoded on `DEVICE` every start, the presets' first runs are predicted within a few percent
+    (`python -m specgui first-minute` measures it). Returns how many runs it decoded.
 
     On the fast path (a GPU) the same runs make every program the presets' methods use (`fastpath.warm_up` at the
     cache's making, a method's pieces, plans and hooks as it sets up), and the cache is first made with `room`
@@ -358,10 +357,9 @@ def side_by_side(method: EventSource, baseline: EventSource) -> PairSource:
     the machine, and the same frames of the page. Yields (pane, event).
 
     Why: a race's prediction prices the method's steps and plain decoding's by one calibration, so it holds where
-    both runs meet the machine alike. One after the other they did not: on a shared 2-core AMD EPYC, with no browser,
-    the same pld preset's races were predicted within 6.4% of their measured speedup on average (up to 9%; the
-    baseline's steps ran 8% slower or 13% faster than the method's, measured seconds before, had been priced); side
-    by side, 3.5%. With the page streaming into a browser on the same cores the first race had read 9-32% off. Each
+    both runs meet the machine alike. One after the other they did not: on a shared CPU the baseline's steps,
+    measured seconds apart, ran slower or faster than the method's had been priced, more so with the page streaming
+    into a browser on the same cores; side by side, the prediction's error about halved. Each
     run's clock counts its own generator's time only (`decode.generate` leaves out the time it is away), so neither
     run's time holds the other's."""
     def source(should_stop: Callable[[], bool]) -> Iterator[tuple[str, Event]]:

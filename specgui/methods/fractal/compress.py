@@ -5,12 +5,12 @@ having only if it is cheaper than the full-precision stack on the same device. W
 differs by device and shape, so the backend is a choice:
 
   * "bnb-int8" (CUDA): bitsandbytes' LLM.int8 `Linear8bitLt` (outlier threshold 6.0, transformers' default),
-    the paper's choice. On an H100 it cost 0.90x (1B shape) and 0.98x (8B) of the fp16 forward: the outlier
-    search and casts eat the int8 gain at decode's few rows. On CPU it was ~5x *slower* than fp32.
+    the paper's choice. On an H100 it was barely cheaper than the fp16 forward: the outlier search and casts eat
+    the int8 gain at decode's few rows. On a CPU it is several times *slower* than fp32.
   * "int8-weight-only" (CUDA, and CPUs with AVX2 + FMA): int8 weights with a scale per output channel,
     activations in the model's dtype: half the weight bytes of bf16 (a quarter of fp32), no activation
     quantization; what a memory-bound decode step wants. On CUDA `torch._weight_int8pack_mm`; on a CPU the
-    skinny kernel's int8 form (`specgui/cpu/csrc/skinny_linear.c`: torch's own kernel there was >10x slower than
+    skinny kernel's int8 form (`specgui/cpu/csrc/skinny_linear.c`: torch's own kernel there is far slower than
     fp32), which streams the int8 weights once for all of a pass's rows.
   * "fp8" (CUDA, compute capability 8.9+: Ada, Hopper): e4m3 weights with a scale per output channel,
     activations quantized per row at each call, `torch._scaled_mm` on the fp8 tensor cores.
@@ -101,7 +101,7 @@ class TorchInt8Linear(nn.Module):
 
     Activations are quantized per call to 8 bits. torch's own module hard-codes `reduce_range=True`
     (7-bit activations, which keeps AVX2's int16 accumulation from saturating); on the embedded model
-    that cost 4 points of top-1 agreement with fp32 (89% vs 93%), so the full range is used wherever
+    that costs a few points of top-1 agreement with fp32, so the full range is used wherever
     the CPU has VNNI (int32 accumulation).
     """
 

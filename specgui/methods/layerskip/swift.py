@@ -32,7 +32,7 @@ Where this differs from the code, and why:
     most), which pauses drafting where no draft is predicted to pay; the optimisation goes on through
     pauses that a probe may end, since that phase is SWIFT's own cost, but not while no draft could pay even
     at the prior's acceptance (`Sizing.hopeless`): there a proposal's scoring forward buys nothing (SmolLM2-135M
-    on a CPU, where it cost ~57 ms every 8 steps and SWIFT fell to 0.93x on held-out multi-turn prompts). A
+    on a CPU, where the scoring forwards cost more than SWIFT's drafts saved). A
     verify is priced with the siblings it carried lately.
 """
 

@@ -166,7 +166,7 @@ class SelfDraft(Drafter):
         The policy prices every size up to the trie's, so each size's room is computed once a step
         (`functools.cache`) and each verify price once a context (`DecodeState.verify_ms`): unshared, each size's
         scan down from all branch tokens re-priced the forwards the scans of its neighbours had priced, ~190 profile
-        lookups a step (~1 ms) at GPU sizes (N = L = 6, 24 nodes) where prices grow slowly with rows, most of
+        lookups a step at GPU sizes (N = L = 6, 24 nodes) where prices grow slowly with rows, most of
         selfdraft's host time there."""
         total = sum(len(b) for b in self.branches)
         verify_ms = state.verify_ms
