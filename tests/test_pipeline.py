@@ -15,6 +15,7 @@ from specgui import costs, fastpath, methods
 from specgui.core import decode, text
 from specgui.core import launch as launching
 from specgui.core.events import untimed
+from specgui.methods.fractal.fractal import Fractal
 from specgui.tools import hosttime
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [20, 21, 20, 21, 20, 21, 22]]
@@ -143,9 +144,11 @@ def test_pauses_chained_on_the_device_decode_the_same(monkeypatch, method):
     """Priced (a verify of any rows costs one step) so that a layer-skip method drafts, pauses, probes and drafts
     again: its paused steps, known ahead (`DraftPolicy.paused_ahead`), chain on the device between drafting ones,
     and the run equals the serial one event for event and plain decoding token for token. (Not CLaSp: its prices
-    count its last search's measured time, so two runs may decide differently.)"""
+    count its last search's measured time, so two runs may decide differently.) Fractal's compressed passes are
+    priced by hand too, at a forward's price: measured, they decided whether it ever paused on a busy machine."""
     lm = tiny_model(init=0.3)
     layers, ms = lm.runner.num_layers, 10.0
+    monkeypatch.setattr(Fractal, "_pass_ms", lambda self, state, rows, context, vocab: ms)
     flat = costs.CostProfile(key=costs.profile_key(lm, True), sizes=[1, 64], contexts=[128], forward=[[ms, ms]],
                              step=ms, attn=[ms / (2 * layers)] * layers, mlp=[ms / (2 * layers)] * layers,
                              head=ms / 10)
