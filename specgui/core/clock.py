@@ -111,8 +111,13 @@ class Captures:
         self.table = cache.programs if isinstance(cache, fastpath.StaticKVCache) else None
         self.at = self.table.capture_s if self.table is not None else 0.0
 
+    def pending(self) -> float:
+        """The ms captured since the last `take`, left to be taken."""
+        return (self.table.capture_s - self.at) * 1000 if self.table is not None else 0.0
+
     def take(self) -> float:
-        if self.table is None:
-            return 0.0
-        before, self.at = self.at, self.table.capture_s
-        return (self.at - before) * 1000
+        """The ms captured since the last `take`; counting goes on from now."""
+        ms = self.pending()
+        if self.table is not None:
+            self.at = self.table.capture_s
+        return ms

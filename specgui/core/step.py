@@ -50,7 +50,8 @@ class Decoded:
     rows: int  # the verify forward's
     timed: Callable[[], list[float]]  # the step's draft and verify ms, read when its event is built (`Clock.spans`)
     capture_ms: float  # programs captured within them (`Captures`)
-    observe_ms: float
+    observe_ms: float  # the method's observe, less what it captured
+    observe_capture_ms: float  # programs its observe captured, where its own time counts them (serially)
     payload: dict[str, Any]
     prices: Prices
 
@@ -172,7 +173,8 @@ class Run:
     def observe(self, context: list[int], draft: Draft, verdict: Verdict, emitted: list[int], rows: int,
                 launched: launching.Launched, prices: Prices) -> Decoded:
         """5. observe: the method learns from the verdict, before it drafts again (timed on the host: serially counted
-        apart, pipelined inside the next step's span, with what it captures, unless the run ends here)."""
+        apart, with what it captures; pipelined inside the next step's span, which leaves its captures out, unless
+        the run ends here). Its time excludes what it captured either way."""
         state, clock = self.state, self.clock
         timed, capture_ms = self.timed(launched)
         started = time.perf_counter()
@@ -181,12 +183,14 @@ class Run:
                           priced=priced)
         payload = {**draft.info, **self.drafter.observe(state, outcome)}
         counted = not self.pipeline or self.stop is not None
-        observe_ms = clock.host(started, counted)
+        observe_ms, captured = clock.host(started, counted), self.captures.pending()
         if counted:
             [observe_ms] = clock.discount([observe_ms], self.captures.take())
+        else:
+            observe_ms, captured = max(0.0, observe_ms - captured), 0.0
         state.step += 1
-        return Decoded(state.step, context, draft, verdict, emitted, rows, timed, capture_ms, observe_ms, payload,
-                       prices)
+        return Decoded(state.step, context, draft, verdict, emitted, rows, timed, capture_ms, observe_ms, captured,
+                       payload, prices)
 
     def event(self, decoded: Decoded, counted: bool = True) -> Step:
         """6. event: the cost model learns what the step cost against what it priced (timed, with the step's observe,
@@ -195,7 +199,7 @@ class Run:
         started = time.perf_counter()
         draft, verdict, emitted, prices = decoded.draft, decoded.verdict, decoded.emitted, decoded.prices
         draft_ms, verify_ms = self.clock.discount(decoded.timed(), decoded.capture_ms)
-        if not decoded.capture_ms:  # (a step that captured is no step's price)
+        if not (decoded.capture_ms or decoded.observe_capture_ms):  # (a step that captured is no step's price)
             self.profile.learn(self.method, decoded.rows, draft_ms + verify_ms, draft.cost_ms, prices.verify_ms,
                                draft_ms=draft_ms, chained=prices.chained_plain)
         overhead_ms = decoded.observe_ms + self.clock.host(started, counted)
@@ -208,7 +212,7 @@ class Run:
             emitted_pieces=tuple(self.detok.push(t) for t in emitted), margins=tuple(verdict.margins[: len(emitted)]),
             forward_tokens=decoded.rows, draft_ms=draft_ms, verify_ms=verify_ms, overhead_ms=overhead_ms,
             payload=accounts(decoded.payload), predicted_ms=prices.predicted_ms, plain_ms=prices.plain_ms,
-            capture_ms=decoded.capture_ms,
+            capture_ms=decoded.capture_ms + decoded.observe_capture_ms,
         )
         self.steps.append(step)
         return step
