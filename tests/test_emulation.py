@@ -281,3 +281,17 @@ def test_the_smoke_command_prints_a_line_a_check_and_exits_0_when_all_pass(capsy
         "PASS float32 emulated baseline serially after it",
         "PASS float32 emulated pld first on a fresh cache, pipelined", "PASS float32 emulated pld serially after it"]
     assert lines[-1].startswith("# 4 passed, 0 failed")
+
+
+def test_a_smoke_check_fails_where_the_device_refused_a_capture(monkeypatch):
+    """A capture CUDA refuses leaves its program eager and the run correct, only slow: the smoke says so."""
+    capture = Emulated.capture
+
+    def refusing(self, fn, *args, **kwargs):
+        if "row_program" in getattr(fn, "__qualname__", ""):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return capture(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(Emulated, "capture", refusing)
+    checks = smoke.run(["swift"], ["float32"], emulate=True, tokens=8, say=lambda line: None)
+    assert not checks[0].ok and "could not be captured and ran eagerly" in checks[0].detail

@@ -62,8 +62,10 @@ class Launched:
         """After the read: what the device drafted and accepted is what the host did (nothing to check here)."""
 
     def commit(self, state: DecodeState, draft: Draft, verdict: Verdict, emitted: list[int]) -> None:
-        """The cache keeps the pending token's and the accepted nodes' keys, the rest dropped."""
-        state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in verdict.path])
+        """The cache keeps the pending token's and the emitted nodes' keys (the accepted path, cut where the run
+        stops), the rest dropped."""
+        kept = verdict.path[: len(emitted) - 1]
+        state.cache.keep(state.committed, [0] + [draft.block_row(i) for i in kept])
 
 
 @dataclass
@@ -164,7 +166,8 @@ def launch(state: DecodeState, draft: Draft, chains: Chains | None, ahead: bool 
         return DeviceDrafted(top, kind=Lookup, ready=ready, drafted=drafted)
     if chains is None or not chains.pipeline or not plain(state, draft):
         return Launched(*verify_forward(state, draft))
-    top, ready = chains.plain_steps().launch(state.committed + ahead, None if ahead else state.pending)
+    position = state.committed + 1 if ahead else state.committed
+    top, ready = chains.plain_steps().launch(position, None if ahead else state.pending)
     return ChainedPlain(top, ready=ready)
 
 

@@ -124,6 +124,8 @@ class Run:
                    and state.generated + rows + 1 <= state.max_new_tokens else None)
         if promise is None or type(promise.device_draft) is not launched.kind:
             return None
+        if promise.device_draft is None and not launching.plain(state, promise):
+            return None  # (a plain step chains only where its forward needs nothing of the host)
         if self.cancelled():
             self.halted = True  # (the run stops before the step it would have been)
             return None
@@ -182,7 +184,7 @@ class Run:
         outcome = Outcome(path=verdict.path, token=verdict.token, emitted=emitted, extra_tokens=verdict.extra_tokens,
                           priced=priced)
         payload = {**draft.info, **self.drafter.observe(state, outcome)}
-        counted = not self.pipeline or self.stop is not None
+        counted = not self.pipeline or self.stop is not None or self.halted  # (the run ends after this step)
         observe_ms, captured = clock.host(started, counted), self.captures.pending()
         if counted:
             [observe_ms] = clock.discount([observe_ms], self.captures.take())

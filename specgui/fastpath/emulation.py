@@ -236,12 +236,12 @@ class Emulated(devices.Host):
         self.sending: list[tuple[torch.Tensor, torch.Tensor]] = []  # copies to the device the device has not run
         self.landing: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # copies to the host not landed yet
         self.captures = 0
-        self.host: set[int] = set()  # the storages of its host buffers (`host_buffer`)
+        self.host: dict[int, torch.Tensor] = {}  # its host buffers by storage (held: no address is reused)
         _made.append(self)
 
     def host_buffer(self, array: Any) -> torch.Tensor:
         buffer = super().host_buffer(array)
-        self.host.add(buffer.untyped_storage().data_ptr())
+        self.host[buffer.untyped_storage().data_ptr()] = buffer
         return buffer
 
     @staticmethod
@@ -318,8 +318,8 @@ def _host_memory(tensor: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def emulated() -> Iterator[None]:
-    """Inside, caches made anew run on `Emulated` devices (a runner's cache made before is dropped first: captured
-    graphs cannot move to another device), and a read of the device waits for everything launched."""
+    """Inside, caches made anew run on `Emulated` devices (a runner's cache of another device is made anew at its
+    next run: `fastpath.cache_for`), and a read of the device waits for everything launched."""
     kvcache.DEVICE_WAITS.append(_host_waits)
     try:
         with devices.installed(Emulated):

@@ -2,10 +2,12 @@
 
 Every registered method decodes first on a fresh cache, pipelined, then serially, in each dtype asked for. Each run's
 tokens are held against plain decoding's on the eager runner (a divergence passes only at a near-tie of the logits,
-within the dtype's rounding: `equality.first_divergence`), its events against the method's other runs' (what was
-timed aside), and its cache is scanned for NaN and Inf (`StaticKVCache.nonfinite`). With `--sequence`, one runner then
-decodes the methods in an order that puts each after each other (`each_pair`), pipelined and serially in turn, then
-with the compile mode toggled, a capacity that grows, and the layer-skip methods changing plans inside a run.
+within the dtype's rounding: `equality.first_divergence`), its cache is scanned for NaN and Inf
+(`StaticKVCache.nonfinite`), and a capture the device refused (a program left eager) or a stall for a staging buffer
+fails it. With `--sequence`, one runner then decodes the methods in an order that puts each after each other
+(`each_pair`), pipelined and serially in turn, then with the compile mode toggled, a capacity that grows, and the
+layer-skip methods changing plans inside a run; each of those runs' events is also held to the method's run serially
+after its first (what was timed aside: a first run reports its first-use preparations).
 
 On a GPU it runs the fast path as a user's run does (CUDA graphs, compiled kernels). On a CPU `--emulate` runs the
 same checks on the emulated CUDA device (`fastpath.emulation`): that is how the tests check the GPU path. The model is
@@ -101,6 +103,7 @@ class Smoke:
             runner.static_cache = None
         before = runner.static_cache
         waited = before.waits() if before is not None else 0
+        refused = fastpath.stats(runner)["failed"]
         started = time.perf_counter()
         try:
             result = decode.run(self.lm, prompt, method, max_new_tokens=self.tokens, fast_path="on", compile=compile,
@@ -122,6 +125,9 @@ class Smoke:
         waits = cache.waits() - (waited if cache is before else 0)
         if waits:
             problems.append(f"the host waited {waits} times for a staging buffer's copy (a stall mid-run)")
+        refused = fastpath.stats(runner)["failed"] - (refused if cache is before else 0)
+        if refused:
+            problems.append(f"{refused} programs could not be captured and ran eagerly (the log says why)")
         if compile == "on" and prompt is self.prompt and not params:
             problems += self._events(method, result.events)
         steps = result.steps
