@@ -62,8 +62,8 @@ class Clock:
         return [0.0, *self.spans([start, end])]
 
     def host(self, started: float, counted: bool = True) -> float:
-        """The ms since `started` (`time.perf_counter`), counted in the total unless a chained step's forward is in
-        flight meanwhile (`since` counts that stretch whole)."""
+        """The ms since `started` (`time.perf_counter`), counted in the total unless `counted` is false: host work a
+        pipelined run does while the next step's forward runs, which that step's span already holds."""
         ms = (time.perf_counter() - started) * 1000
         self.total += ms / 1000 if counted else 0.0
         return ms

@@ -99,9 +99,10 @@ def generate(
     model's on this path, measured on first use, before any timing starts).
     `pipeline`: a step's event (and the cost model's `learn` of it) waits until the next step's forward is launched,
     and goes out while it runs; else (serial) before the next step begins. The same tokens and events, timings aside;
-    `should_stop` is polled before each step's draft either way (pipelined, the step before's event is then still
-    to go out: it does, before the Summary). With a measured profile a pipelined step's draft is sized by what the
-    cost model learnt up to the step before the last (serial: the last).
+    `should_stop` is polled before each step's draft either way, and for a step launched ahead before the step
+    before's read (pipelined, the step before's event is then still to go out: it does, before the Summary). With a
+    measured profile a pipelined step's draft is sized by what the cost model learnt up to the step before the last
+    (serial: the last).
 
     The timings (each ms of the generator's own time; draft and verify, and serially overhead, sum to the Summary's
     `wall_s`):
@@ -138,13 +139,15 @@ def generate(
                 compiled=static and cache.programs.compiled, costs=profile.curve())
     with torch.inference_mode():
         drafter.setup(state)  # one-time work (a skip-set search, first-use timings): before the clock starts
-        steps = Run(lm, method, state, drafter, profile, Detokenizer(lm.tokenizer, prompt_ids), pipeline, should_stop)
-        prefill = steps.prefill(prompt_ids)
+        decoding = Run(lm, method, state, drafter, profile, Detokenizer(lm.tokenizer, prompt_ids), pipeline,
+                       should_stop)
+        prefill = decoding.prefill(prompt_ids)
         yield prefill
-        yield from (_pipelined(steps) if pipeline else _serial(steps))
+        yield from (_pipelined(decoding) if pipeline else _serial(decoding))
         generated = tuple(state.tokens[state.prompt_len :])
         text = lm.tokenizer.decode(list(generated), skip_special_tokens=True)
-        summary = summarize(steps.steps, prefill, wall_s=steps.clock.total, stop=steps.stop, token_ids=generated,
+        summary = summarize(decoding.steps, prefill, wall_s=decoding.clock.total, stop=decoding.stop,
+                            token_ids=generated,
                             text=text)
         profile.keep_learnt()  # what this run's steps taught the calibration, for the next process's first run
         yield summary

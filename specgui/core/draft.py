@@ -239,10 +239,6 @@ class Draft:
         """The verify block's row of `node` (-1: the pending token's, row 0)."""
         return 0 if node < 0 else 1 + (node if self.node_rows is None else self.node_rows[node])
 
-    def device_tokens(self) -> torch.Tensor | list[int]:
-        """The nodes' tokens as the verify forward reads them: a list, or a device tensor before `settle`."""
-        return self.tokens if self.unread is None else self.unread.tokens
-
     def settle(self, values: list[float]) -> None:
         """Keep the valid nodes of an `unread` draft, from the step's read of `Unread.packed` (`Unread.decide`
         reads it): tokens, parents renumbered among the kept nodes (a kept node's parent is kept), `node_rows` and

@@ -55,7 +55,8 @@ class Launched:
             self.ready.synchronize()
 
     def riders(self, draft: Draft) -> list[Rider]:
-        """What the device drafted at the launch, read with the verdict (nothing: the host drafted)."""
+        """What the device drafted at the launch, to be read with the verdict (nothing: the host drafted); a chain
+        that made the draft's nodes also hands their values to `draft.unread`, read with them."""
         return []
 
     def check(self, draft: Draft, verdict: Verdict, riders: list[Rider]) -> None:

@@ -1,8 +1,9 @@
 """One decoding step's parts, each a method of the run they share (`Run`): draft, launch, read, accept, observe, event.
 
 `decode`'s two drivers call the same parts, each in its own order: serially a step whole before the next;
-pipelined, the next step's launch before the step before's event and read, so that on a GPU the host's work on a
-step runs beside the device's forward instead of delaying its launch (`decode.generate` says what each times).
+pipelined, a step's launch before the step before's event goes out (and, where the device can draft it, before the
+step before's read), so that on a GPU the host's work on a step runs beside the device's forward instead of delaying
+its launch (`decode.generate` says what each times).
 """
 
 from __future__ import annotations

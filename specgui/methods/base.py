@@ -190,8 +190,9 @@ class Drafter:
     def ahead(self, state: DecodeState) -> Draft | None:
         """The next step's draft where the device can make it whatever the verdict of the step in flight: then the
         decode loop launches it before that verdict's read, chained on the device, and asks for the draft, as ever,
-        after `observe`. A plain step (`Draft()`: `fastpath.PlainSteps`), or a prompt lookup (`Draft(lookup=...)`:
-        `fastpath.LookupSteps`, after a step that was one). A promise: a draft that breaks it fails the run. Plain
+        after `observe`. A plain step (`Draft()`: `fastpath.PlainSteps`), or a draft the device makes, of the kind the
+        step in flight made (`Draft.device_draft`: a prompt lookup, `fastpath.LookupSteps`; a skip chain, `SkipSteps`;
+        a slot chain, `SlotSteps`). A promise: a draft that breaks it fails the run. Plain
         decoding always makes it; a drafter whose paused steps are plain, while its policy's pause lasts
         (`DraftPolicy.paused_ahead`); None: the next draft needs this step's verdict on the host."""
         policy = getattr(self, "policy", None)
