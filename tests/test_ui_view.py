@@ -232,6 +232,17 @@ def test_why_puts_each_measured_figure_beside_the_prediction_of_the_same_thing()
     assert old_trace.predicted_per_step is None and old_trace.predicted_speedup == summary.predicted_speedup
 
 
+def test_why_counts_the_prompt_forward_where_it_changes_a_figure_as_shown():
+    """The overall sentence is left out only where the overall figure and its prediction both read as the per-step
+    ones: an overall that rounds to the per-step figure still shows beside a prediction that differs."""
+    priced = [dataclasses.replace(step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)), predicted_ms=75.0,
+                                  plain_ms=50.0) for i in range(4)]
+    reason = why(_timed("pld", priced), _timed("baseline", _plain(12)))
+    same_figure = dataclasses.replace(reason, overall=reason.per_step)
+    assert "Counting the prompt forward: 1.86× overall (predicted " in same_figure.sentence()
+    both_same = dataclasses.replace(same_figure, predicted=reason.predicted_per_step)
+    assert "Counting the prompt forward" not in both_same.sentence()
+
 def test_an_uncalibrated_prediction_says_so():
     priced = [dataclasses.replace(step(i + 1, [11, 12], [0, 1], 13, ms=(25.0, 55.0, 0.5)), predicted_ms=75.0,
                                   plain_ms=50.0) for i in range(4)]

@@ -39,10 +39,13 @@ def test_a_presets_first_run_compares_like_with_like(client, method):
     assert float(per_step[1]) == pytest.approx(verdict["per_step"], abs=0.006)
     assert float(per_step[2]) == pytest.approx(verdict["predicted_per_step"], abs=0.006)
     overall = re.search(rf"Counting the prompt forward: {FIGURE} overall{PREDICTED}\.", text)
-    assert overall, text
-    assert float(overall[1]) == pytest.approx(verdict["overall"], abs=0.006)
-    assert float(overall[2]) == pytest.approx(verdict["predicted"], abs=0.006)
-    assert (per_step[3] is not None) is verdict["uncalibrated"] is (overall[3] is not None)
+    if overall is None:  # left out only where both figures read as the per-step ones do
+        assert [f"{verdict['overall']:.2f}", f"{verdict['predicted']:.2f}"] == [per_step[1], per_step[2]], text
+    else:
+        assert float(overall[1]) == pytest.approx(verdict["overall"], abs=0.006)
+        assert float(overall[2]) == pytest.approx(verdict["predicted"], abs=0.006)
+        assert (overall[3] is not None) is verdict["uncalibrated"]
+    assert (per_step[3] is not None) is verdict["uncalibrated"]
     summary = verdict["summaries"]["method"]  # the figures are the summary's, each of its own kind
     assert verdict["predicted"] == pytest.approx(summary["plain_s"] / summary["predicted_s"])
     assert verdict["predicted_per_step"] == pytest.approx(

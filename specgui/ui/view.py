@@ -455,11 +455,16 @@ class Why:
                 f"step costs {self.cost:.2f} plain steps ({', '.join(parts)}); break-even tau {self.cost:.2f}.")
         if self.lost:
             text += f" Lost: {self.lost}."
-        if f"{self.overall:.2f}" != f"{self.per_step:.2f}":
+        if self._overall_differs():
             text += f" Counting the prompt forward: {self.overall:.2f}× overall{self._predicted(self.predicted)}."
         if (self.predicted or self.predicted_per_step) and self.priced_by:
             text += f" Priced by the cost profile {self.priced_by}."
         return text
+
+    def _overall_differs(self) -> bool:
+        """Whether counting the prompt forward changes a figure as shown: the measured one or its prediction."""
+        shown = [f"{self.overall:.2f}", self._predicted(self.predicted)]
+        return shown != [f"{self.per_step:.2f}", self._predicted(self.predicted_per_step)]
 
     def _predicted(self, figure: float | None) -> str:
         """' (predicted 1.35×)', with ', uncalibrated' where no measured step had corrected the profile yet."""
