@@ -186,11 +186,12 @@ class Run:
                           priced=priced)
         payload = {**draft.info, **self.drafter.observe(state, outcome)}
         counted = not self.pipeline or self.stop is not None or self.halted  # (the run ends after this step)
-        observe_ms, captured = clock.host(started, counted), self.captures.pending()
-        if counted:
-            [observe_ms] = clock.discount([observe_ms], self.captures.take())
-        else:
-            observe_ms, captured = max(0.0, observe_ms - captured), 0.0
+        observe_ms = clock.host(started, counted)
+        if counted:  # its captures are this step's
+            captured = self.captures.take()
+            [observe_ms] = clock.discount([observe_ms], captured)
+        else:  # they stay for the next step, whose span holds them
+            observe_ms, captured = max(0.0, observe_ms - self.captures.pending()), 0.0
         state.step += 1
         return Decoded(state.step, context, draft, verdict, emitted, rows, timed, capture_ms, observe_ms, captured,
                        payload, prices)
